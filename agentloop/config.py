@@ -1,0 +1,295 @@
+"""One shallow pydantic config tree for everything a user may set.
+
+Map:
+    Section            base: forbids unknown keys, validates on assignment
+    ModelConfig        which model/tokenizer (None = the project's built-in tiny model)
+    ServerConfig       which servers: URLs to connect to, or local ones to launch
+    ManagerConfig      client-side routing, concurrency caps, timeouts, retries, health checks
+    SamplingConfig     per-request sampling settings (SamplingParams is the typed per-call copy)
+    DataConfig         where rows come from
+    RolloutConfig      which loop, how many samples, how much concurrency, the run seed
+    RewardConfig       reward selection
+    Config             the root; `load_config(path, overrides)` builds it
+
+YAML files in configs/ hold any subset of the tree; `key.sub=value` overrides (values parsed
+as YAML) are applied on top. Parsing is done before any heavy import so a typo fails in
+milliseconds with the offending key named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agentloop.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local Hugging Face model directory. None: build (once, cached) the project's tiny Qwen2 model."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; None means the model directory."""
+    context_length: int | None = Field(default=None, ge=16)
+    """Max tokens (prompt + response) per sequence. None: the model's max_position_embeddings."""
+
+
+class ServerConfig(Section):
+    urls: list[str] = Field(default_factory=list)
+    """Running SGLang servers to use (http://host:port). Empty: launch `num_local` servers."""
+    num_local: int = Field(default=1, ge=0)
+    """How many local SGLang servers to launch when `urls` is empty (one per GPU on CUDA)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where local servers run. auto: cuda if a GPU is visible, else cpu (SGLang's CPU engine)."""
+    host: str = "127.0.0.1"
+    """Interface local servers bind to."""
+    base_port: int = Field(default=0, ge=0, le=65535)
+    """First port for local servers; 0 picks free ports."""
+    max_total_tokens: int | None = Field(default=16384, ge=256)
+    """KV-cache pool size in tokens for local servers (SGLang's default sizing takes ~15 GB on CPU)."""
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
+    """GPU memory fraction for weights + KV cache on local CUDA servers (None: SGLang's default)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed verbatim to `sglang.launch_server`."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """Deadline for a local server to answer /health after launch."""
+    shutdown_timeout_s: float = Field(default=20.0, gt=0)
+    """Grace period between SIGTERM and SIGKILL when stopping local servers."""
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        out = []
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"server url {u!r} must start with http:// or https://")
+            out.append(u.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError(f"server urls contain duplicates: {out}")
+        return out
+
+
+class ManagerConfig(Section):
+    max_inflight_per_server: int = Field(default=256, ge=1)
+    """Cap on concurrent /generate requests per server; further requests wait or spill over."""
+    sticky: bool = True
+    """Route all turns of an episode to the same server (prefix-cache reuse) unless it is full or down."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Timeout of one /generate attempt (connect + full response)."""
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    """Timeout to open a connection to a server."""
+    retry_budget_s: float = Field(default=900.0, gt=0)
+    """Total wall time one generate() call may spend across all of its attempts."""
+    max_attempts: int = Field(default=5, ge=1)
+    """Attempts per generate() call (the first one included)."""
+    retry_backoff_s: float = Field(default=0.2, ge=0)
+    """Base of the exponential backoff between attempts (capped at 5 s)."""
+    eject_after_failures: int = Field(default=2, ge=1)
+    """Consecutive failed requests or health checks after which a server is ejected."""
+    health_interval_s: float = Field(default=2.0, gt=0)
+    """Period of /health probes; ejected servers that answer again are re-admitted."""
+    health_timeout_s: float = Field(default=5.0, gt=0)
+    """Timeout of one /health probe."""
+    all_down_grace_s: float = Field(default=20.0, ge=0)
+    """How long a request waits for any server to come back before the run is declared dead."""
+    admin_timeout_s: float = Field(default=120.0, gt=0)
+    """Timeout of admin calls (pause, flush, weight updates) to each server."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    """Min-p sampling threshold; 0 disables it."""
+    max_new_tokens: int = Field(default=128, ge=1)
+    """Max tokens generated per episode (single-turn) or per call."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (the server checks them; the returned ids are still exact)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Extra stop token ids besides the tokenizer's EOS."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks only)."""
+
+
+class DataConfig(Section):
+    path: str | None = None
+    """JSONL or Parquet file of verl-format rows. None: the built-in set named by `builtin`."""
+    builtin: str = "arithmetic"
+    """Built-in eval set used when `path` is None."""
+    max_samples: int | None = Field(default=None, ge=1)
+    """Use only the first N rows."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages."""
+
+
+class RolloutConfig(Section):
+    loop: str = "single_turn_agent_loop"
+    """Registered agent loop to run."""
+    n_samples: int = Field(default=4, ge=1)
+    """Episodes per prompt (repeats); pass@k is reported for k up to this."""
+    max_concurrency: int = Field(default=512, ge=1)
+    """Episodes in flight at once in this process."""
+    episode_timeout_s: float = Field(default=1800.0, gt=0)
+    """Wall-time limit of one episode; past it the episode becomes an error record."""
+    seed: int = 0
+    """Run seed; each episode's sampling seed derives from (seed, sample index, repeat index)."""
+    progress_interval_s: float = Field(default=2.0, gt=0)
+    """Seconds between progress lines."""
+
+
+class RewardConfig(Section):
+    custom: str | None = None
+    """`path/to/file.py:function` or `package.module:function` scoring every episode instead of the registry."""
+    default: str | None = None
+    """Registered reward used for data sources that have no reward of their own (None: error)."""
+
+
+class Config(Section):
+    name: str = "agentloop"
+    """Run name; the run directory is `<runs_dir>/<name>-<timestamp>`."""
+    runs_dir: str = "runs"
+    """Parent directory of run directories."""
+    run_dir: str | None = None
+    """Exact run directory (overrides runs_dir/name)."""
+    plugins: list[str] = Field(default_factory=list)
+    """Python files or modules imported at start-up (they register loops, tools, rewards)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model and tokenizer."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """Inference servers."""
+    manager: ManagerConfig = Field(default_factory=ManagerConfig)
+    """Server manager (routing, retries, health)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling settings."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Data source."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout settings."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward selection."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        if not self.server.urls and self.server.num_local == 0:
+            raise ValueError("no servers: set server.urls or server.num_local >= 1")
+        return self
+
+
+class SamplingParams(SamplingConfig):
+    """Typed sampling settings of one call, as a loop receives them; `seed` is the episode's seed."""
+
+    seed: int | None = None
+    """Sampling seed sent to the server (None: unseeded)."""
+
+    def to_sglang(self, max_new_tokens: int | None = None) -> dict[str, Any]:
+        """The `sampling_params` dict of SGLang's /generate."""
+        d: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_new_tokens": max_new_tokens if max_new_tokens is not None else self.max_new_tokens,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            d["sampling_seed"] = self.seed
+        return d
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A stable 31-bit seed from its parts (same parts, same seed, on every machine)."""
+    h = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"bad override key {dotted!r}")
+    node = tree
+    for k in keys[:-1]:
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", parsed value). Values are YAML: 3, 0.5, true, [1, 2], null."""
+    if "=" not in arg:
+        raise ConfigError(f"override {arg!r} is not of the form key.sub=value")
+    key, raw = arg.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {arg!r}: value is not valid YAML ({e})") from None
+    return key, value
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})" if e["type"] != "extra_forbidden" else f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the config from an optional YAML file plus `key.sub=value` overrides."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        tree = loaded
+        source = str(p)
+    for arg in overrides or []:
+        key, value = parse_override(arg)
+        _set_path(tree, key, value)
+    if overrides:
+        source += " + overrides"
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (every field, defaults included)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,79 @@
+"""The exception hierarchy of agentloop, in one place.
+
+    AgentLoopError
+    ├── ConfigError            bad config value, override or plugin
+    ├── DataError              malformed data row (names file and line)
+    ├── RewardError            reward function missing or failing to load
+    ├── ServerError            anything about inference servers
+    │   ├── ServerStartError   a local server did not come up (carries its log tail)
+    │   ├── RequestError       one /generate call failed
+    │   │   ├── RetryableError     transport error, 5xx, timeout: worth another server
+    │   │   └── FatalRequestError  4xx or bad response: retrying cannot help
+    │   ├── RetryBudgetExhausted   retries of one call ran out of time or attempts
+    │   └── AllServersDownError    no healthy server left: the run must stop
+    └── EpisodeError           an episode-level failure a loop raises on purpose
+        └── PromptTooLongError the prompt does not fit the context
+
+Inside the engine, every exception raised by an episode becomes an error record
+(type + message), except AllServersDownError, which stops the run after the records
+already made are flushed.
+"""
+
+from __future__ import annotations
+
+
+class AgentLoopError(Exception):
+    """Base class of every error agentloop raises on purpose."""
+
+
+class ConfigError(AgentLoopError, ValueError):
+    """A config value, CLI override or plugin reference is invalid."""
+
+
+class DataError(AgentLoopError, ValueError):
+    """A data file or row is malformed; the message names the file and line."""
+
+
+class RewardError(AgentLoopError):
+    """A reward function cannot be found, loaded, or returned something unusable."""
+
+
+class ServerError(AgentLoopError):
+    """Base class for inference-server problems."""
+
+
+class ServerStartError(ServerError):
+    """A local SGLang server failed to start; the message ends with its log tail."""
+
+
+class RequestError(ServerError):
+    """One request to one server failed."""
+
+    def __init__(self, message: str, *, server: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.server = server
+        self.status = status
+
+
+class RetryableError(RequestError):
+    """Transport error, HTTP 5xx or timeout: another attempt (elsewhere) may succeed."""
+
+
+class FatalRequestError(RequestError):
+    """HTTP 4xx or an unusable response: retrying the same request cannot help."""
+
+
+class RetryBudgetExhausted(ServerError):
+    """A request was retried until its total time or attempt budget ran out."""
+
+
+class AllServersDownError(ServerError):
+    """Every server is ejected or gone; the run cannot make progress."""
+
+
+class EpisodeError(AgentLoopError):
+    """An episode-level failure raised on purpose by a loop."""
+
+
+class PromptTooLongError(EpisodeError):
+    """The prompt (plus at least one new token) does not fit the model's context."""

@@ -1,0 +1,152 @@
+"""AgentLoopBase, the one class a loop author subclasses, and its helpers.
+
+    AgentLoopBase        constructed per episode by the engine; write `async run(sample, sampling_params)`
+    TrajectoryBuilder    accumulates response tokens with masks/logprobs where they are made
+
+A loop talks to servers only through `self.generate(...)` (token ids in, token ids out),
+so everything it returns is exactly what the model sampled or what the environment added.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from agentloop.config import Config, SamplingParams, derive_seed
+from agentloop.errors import PromptTooLongError
+from agentloop.records import AgentLoopOutput, TokenOutput
+from agentloop.sample import Sample
+
+if TYPE_CHECKING:
+    from agentloop.server_manager import ServerManager
+
+
+class TrajectoryBuilder:
+    """Response tokens in order, each with its mask and logprob, built where tokens are made.
+
+    Model tokens (`add_model`) carry mask 1 and the server's logprobs; environment and
+    template tokens (`add_env`) carry mask 0 and logprob 0.0.
+    """
+
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.response_mask: list[int] = []
+        self.response_logprobs: list[float] = []
+        self.weight_versions: list[str | None] = []
+        self.num_turns = 0
+
+    def add_model(self, out: TokenOutput) -> None:
+        self.response_ids.extend(out.token_ids)
+        self.response_mask.extend([1] * len(out.token_ids))
+        self.response_logprobs.extend(float(x) for x in out.logprobs)
+        self.weight_versions.append(out.weight_version)
+        self.num_turns += 1
+
+    def add_env(self, token_ids: list[int]) -> None:
+        self.response_ids.extend(token_ids)
+        self.response_mask.extend([0] * len(token_ids))
+        self.response_logprobs.extend([0.0] * len(token_ids))
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt plus response so far: the next call's input_ids."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def build(self, **kwargs: Any) -> AgentLoopOutput:
+        return AgentLoopOutput(
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            response_mask=self.response_mask,
+            response_logprobs=self.response_logprobs,
+            num_turns=self.num_turns,
+            weight_versions=self.weight_versions,
+            **kwargs,
+        )
+
+
+class AgentLoopBase(ABC):
+    """Base class of agent loops. Subclass it, write `run`, register it with `register_agent_loop`.
+
+    The engine constructs one instance per episode with keyword arguments
+    `server_manager`, `tokenizer`, `config` (and `tools` for tool loops), then awaits
+    `run(sample, sampling_params)` once. Exceptions raised by `run` become error records.
+    """
+
+    name: ClassVar[str] = ""
+    """Registered name (set by register_agent_loop)."""
+
+    def __init__(
+        self,
+        *,
+        server_manager: "ServerManager",
+        tokenizer: Any,
+        config: Config,
+        tools: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        self.server_manager = server_manager
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tools = tools or {}
+        self.extra_kwargs = kwargs
+        ctx = config.model.context_length
+        if ctx is None:
+            ctx = getattr(tokenizer, "agentloop_context_length", None) or getattr(tokenizer, "model_max_length", None)
+            if ctx is None or ctx > 10**7:  # HF uses a huge sentinel when unknown
+                ctx = 32768
+        self.context_length: int = int(ctx)
+
+    @abstractmethod
+    async def run(self, sample: Sample, sampling_params: SamplingParams) -> AgentLoopOutput:
+        """Run one episode and return its output (reward may be left None for the engine to score)."""
+
+    # ------------------------------------------------------------ helpers for loop authors
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template rendered as text (for diffing and display; never for generated tokens)."""
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            kwargs["tools"] = tools
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat template applied to `messages` (done once per episode)."""
+        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def budget(self, prompt_len: int, wanted: int) -> int:
+        """New-token budget for a call: `wanted`, capped by what is left of the context.
+
+        Raises PromptTooLongError when not even one new token fits.
+        """
+        room = self.context_length - prompt_len
+        if room < 1:
+            raise PromptTooLongError(
+                f"prompt of {prompt_len} tokens leaves no room in the context of {self.context_length} tokens"
+            )
+        return max(1, min(wanted, room))
+
+    def turn_params(self, sampling_params: SamplingParams, turn: int) -> SamplingParams:
+        """Per-turn sampling params: the episode seed is re-derived per turn so turns differ yet replay."""
+        if sampling_params.seed is None or turn == 0:
+            return sampling_params
+        return sampling_params.model_copy(update={"seed": derive_seed(sampling_params.seed, "turn", turn)})
+
+    async def generate(self, episode_id: str, prompt_ids: list[int], sampling_params: SamplingParams,
+                       *, max_new_tokens: int | None = None) -> TokenOutput:
+        """One server call, with the context-length budget applied."""
+        wanted = max_new_tokens if max_new_tokens is not None else sampling_params.max_new_tokens
+        budget = self.budget(len(prompt_ids), wanted)
+        params = sampling_params if budget == sampling_params.max_new_tokens else sampling_params.model_copy(
+            update={"max_new_tokens": budget})
+        return await self.server_manager.generate(episode_id, prompt_ids=prompt_ids, sampling_params=params)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,0 +1,136 @@
+"""Typed records: what a server call returns, what a loop returns, what the engine writes.
+
+    TokenOutput      one /generate call's result (token ids + logprobs, never text)
+    AgentLoopOutput  one episode as a loop builds it; invariants checked on construction
+    EpisodeRecord    AgentLoopOutput + identity and timing, one JSON line per episode
+
+A learner reads EpisodeRecord lines; `read_records` is the one reader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class TokenOutput(Record):
+    token_ids: list[int]
+    """Ids the server sampled, exactly as returned (never re-tokenized)."""
+    logprobs: list[float]
+    """Log-probability of each sampled token under the server's weights (same length as token_ids)."""
+    finish_reason: FinishReason
+    """stop: EOS or stop string/token; length: max_new_tokens or context; abort: the server aborted it."""
+    weight_version: str | None = None
+    """The server's weight version when this call finished."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the server's prefix cache."""
+    prompt_tokens: int = 0
+    """Prompt length the server saw."""
+    server: str = ""
+    """URL of the server that answered."""
+    latency_s: float = 0.0
+    """Wall time of the successful attempt."""
+    attempts: int = 1
+    """Attempts made (1 = no retry)."""
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "TokenOutput":
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"token_ids ({len(self.token_ids)}) and logprobs ({len(self.logprobs)}) differ in length"
+            )
+        return self
+
+
+class AgentLoopOutput(Record):
+    prompt_ids: list[int]
+    """Token ids of the templated prompt (the part the learner conditions on)."""
+    response_ids: list[int]
+    """Everything after the prompt: model tokens and tool/environment tokens, in order."""
+    response_mask: list[int]
+    """Per response token: 1 = sampled by the model (trained on), 0 = tool/environment/template tokens."""
+    response_logprobs: list[float]
+    """Per response token: the server's logprob for mask-1 tokens, 0.0 for mask-0 tokens."""
+    num_turns: int = Field(default=1, ge=0)
+    """Assistant turns (generate calls) in the episode."""
+    reward: float | None = None
+    """Scalar reward; None until scored (the engine scores it if the loop did not)."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Numeric per-episode metrics (tool calls, turn counts, timings...)."""
+    finish_reason: str = "stop"
+    """Why the episode ended: stop, length, abort, a loop-specific limit name, or error."""
+    error: str | None = None
+    """`Type: message` when the episode failed; the record is still kept and counted."""
+    weight_versions: list[str | None] = Field(default_factory=list)
+    """Weight version that produced each turn (one entry per generate call)."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Anything else JSON-serializable a loop wants to keep (e.g. decoded text, tool trace)."""
+
+    @model_validator(mode="after")
+    def _invariants(self) -> "AgentLoopOutput":
+        n = len(self.response_ids)
+        if len(self.response_mask) != n or len(self.response_logprobs) != n:
+            raise ValueError(
+                f"response_ids ({n}), response_mask ({len(self.response_mask)}) and "
+                f"response_logprobs ({len(self.response_logprobs)}) must have the same length"
+            )
+        for i, m in enumerate(self.response_mask):
+            if m not in (0, 1):
+                raise ValueError(f"response_mask[{i}] = {m!r}; mask values must be 0 or 1")
+        for i, (m, lp) in enumerate(zip(self.response_mask, self.response_logprobs)):
+            if m == 0 and lp != 0.0:
+                raise ValueError(f"response_logprobs[{i}] = {lp!r} for a mask-0 token; it must be 0.0")
+        return self
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.response_mask)
+
+
+class EpisodeRecord(AgentLoopOutput):
+    episode_id: str
+    """Unique id: `<index>-<repeat>` within a run."""
+    index: int
+    """Index of the data row."""
+    repeat: int
+    """Repeat index of this episode within its group (0..n_samples-1)."""
+    data_source: str
+    """The row's data_source (selects the reward)."""
+    loop: str
+    """Registered name of the agent loop that ran it."""
+    seed: int
+    """Sampling seed of the episode."""
+    ground_truth: Any = None
+    """The row's reward_model.ground_truth, kept so a learner or re-scorer needs no data file."""
+    reward_info: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields a reward function returned besides the score."""
+    wall_s: float = 0.0
+    """Wall time of the episode."""
+    step: int | None = None
+    """Training step that produced it (None for eval-only rollouts)."""
+
+
+def write_record(fh, record: BaseModel) -> None:
+    fh.write(record.model_dump_json() + "\n")
+
+
+def read_records(path: str | Path) -> Iterator[EpisodeRecord]:
+    """Read EpisodeRecord JSON lines; a bad line raises ValueError naming file and line."""
+    p = Path(path)
+    with p.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield EpisodeRecord.model_validate(json.loads(line))
+            except Exception as e:  # noqa: BLE001 - re-raised with location
+                raise ValueError(f"{p}:{lineno}: not a valid episode record: {e}") from None
