@@ -1,0 +1,145 @@
+"""The `agentloop` command line.
+
+    agentloop rollout [--config F] [--server-url URL]... [--model DIR] [--loop NAME] [--plugin P]... [key.sub=value]...
+    agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
+    agentloop build-model          build (or find) the cached tiny model and print its directory
+    agentloop loops                list registered agent loops (plugins included)
+    agentloop config [...]         print the resolved config without running anything
+
+Flags are shorthands for config overrides; everything else is `key.sub=value`.
+Exit codes: 0 done, 1 the run stopped early (e.g. every server died), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from agentloop.errors import AgentLoopError, ConfigError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (see configs/)")
+    p.add_argument("--server-url", action="append", default=[], metavar="URL",
+                   help="use a running SGLang server (repeatable); default: launch local ones")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: built-in tiny model)")
+    p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
+    p.add_argument("--plugin", action="append", default=[], metavar="P",
+                   help="python file or module to import first (registers loops/tools/rewards); repeatable")
+    p.add_argument("--data", metavar="FILE", help="JSONL or Parquet data file in verl row format")
+    p.add_argument("-n", "--n-samples", type=int, metavar="N", help="episodes per prompt")
+    p.add_argument("--seed", type=int, help="run seed")
+    p.add_argument("--run-dir", metavar="DIR", help="exact run directory")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    import json
+
+    out: list[str] = []
+    if args.server_url:
+        out.append("server.urls=" + json.dumps(args.server_url))
+    if args.model:
+        out.append("model.path=" + json.dumps(args.model))
+    if args.loop:
+        out.append("rollout.loop=" + json.dumps(args.loop))
+    if args.data:
+        out.append("data.path=" + json.dumps(args.data))
+    if args.n_samples is not None:
+        out.append(f"rollout.n_samples={args.n_samples}")
+    if args.seed is not None:
+        out.append(f"rollout.seed={args.seed}")
+    if args.run_dir:
+        out.append("run_dir=" + json.dumps(args.run_dir))
+    return out
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from agentloop.config import load_config
+
+    cfg = load_config(args.config, list(args.overrides) + _flag_overrides(args))
+    if args.plugin:
+        cfg.plugins = list(cfg.plugins) + list(args.plugin)
+    return cfg
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentloop", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("rollout", help="eval-only rollouts: run the loop on a data set, write records + summary")
+    _common(p)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    br = bsub.add_parser("rollout", help="engine vs bare aiohttp client, same requests, same server")
+    _common(br)
+    br.add_argument("--bench-requests", type=int, default=512, help="requests per side")
+    br.add_argument("--bench-concurrency", type=int, default=64, help="concurrent requests per side")
+    br.add_argument("--bench-prompt-tokens", type=int, default=64)
+    br.add_argument("--bench-new-tokens", type=int, default=64)
+    br.add_argument("--bench-rounds", type=int, default=2, help="alternating rounds per side")
+    br.add_argument("--bench-episodes", type=int, default=2000,
+                    help="concurrent episodes for the capacity test (0 skips it)")
+    br.add_argument("--out", help="write the report JSON here")
+    sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
+    lp = sub.add_parser("loops", help="list registered agent loops")
+    lp.add_argument("--plugin", action="append", default=[])
+    cp = sub.add_parser("config", help="print the resolved config")
+    _common(cp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("agentloop: interrupted; servers stopped, records kept", file=sys.stderr)
+        return 130
+    except (ConfigError, AgentLoopError) as e:
+        print(f"agentloop: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "build-model":
+        from agentloop.modelzoo import ensure_tiny_model
+
+        print(ensure_tiny_model())
+        return 0
+    if args.command == "loops":
+        from agentloop.loops import list_agent_loops, load_plugin
+
+        for ref in args.plugin:
+            load_plugin(ref)
+        print("\n".join(list_agent_loops()))
+        return 0
+    cfg = build_config(args)
+    if args.command == "config":
+        from agentloop.config import dump_config
+
+        print(dump_config(cfg), end="")
+        return 0
+    if args.command == "rollout":
+        from agentloop.evaluate import format_summary, run_rollout
+
+        run_dir, result = run_rollout(cfg, progress=not args.quiet)
+        print(f"agentloop rollout: done, run dir {run_dir}")
+        print(format_summary({**result.summary}))
+        print(f"  records: {run_dir / 'records.jsonl'}  summary: {run_dir / 'summary.json'}")
+        if result.stopped:
+            print(f"agentloop: the run stopped early: {result.stopped}; "
+                  f"{len(result.records)} records kept in {run_dir / 'records.jsonl'}", file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "bench" and args.bench == "rollout":
+        from agentloop.bench import run_bench_rollout
+
+        run_bench_rollout(cfg, args)
+        return 0
+    raise ConfigError(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

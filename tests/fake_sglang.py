@@ -1,0 +1,130 @@
+"""A scripted fake SGLang server on a real socket, for client logic and fault injection only.
+
+It speaks the subset of SGLang's HTTP API the ServerManager uses. Tokens are a
+deterministic function of (input ids, seed), so retries elsewhere give the same answer.
+Behaviour is switched at run time through `mode`: ok | error500 | error400 | hang | slow | garbage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class FakeSGLang:
+    mode: str = "ok"
+    delay_s: float = 0.0
+    eos_id: int = 2
+    vocab: int = 1000
+    port: int = 0
+    healthy: bool = True
+    weight_version: str = "default"
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    admin: list[tuple[str, Any]] = field(default_factory=list)
+    paused: bool = False
+    _runner: web.AppRunner | None = None
+    _unpause: asyncio.Event | None = None
+    _inflight: dict[str, asyncio.Future] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> "FakeSGLang":
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", self._health)
+        for path in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
+                     "/update_weights_from_disk"):
+            app.router.add_post(path, self._admin)
+        self._unpause = asyncio.Event()
+        self._unpause.set()
+        self.port = self.port or _free_port()
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        """Like a killed process: the socket closes and in-flight connections drop."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if not self.healthy or self.mode == "hang":
+            return web.Response(status=503, text="unhealthy")
+        return web.Response(text="ok")
+
+    @staticmethod
+    def tokens_for(input_ids: list[int], seed: Any, n: int, vocab: int, eos: int) -> list[int]:
+        h = hashlib.sha256(f"{input_ids}|{seed}".encode()).digest()
+        out = []
+        for i in range(n):
+            b = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+            out.append(3 + int.from_bytes(b[:4], "little") % (vocab - 3))
+        return out
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        rid = body.get("rid", "")
+        if self.mode == "error500":
+            return web.Response(status=500, text="internal error (injected)")
+        if self.mode == "error400":
+            return web.json_response({"error": {"message": "bad request (injected)"}}, status=400)
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if self.mode == "garbage":
+            return web.Response(text="{not json")
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        assert self._unpause is not None
+        await self._unpause.wait()
+        sp = body.get("sampling_params", {})
+        ids = self.tokens_for(body["input_ids"], sp.get("sampling_seed"), int(sp.get("max_new_tokens", 16)),
+                              self.vocab, self.eos_id)
+        self.completed.append(rid)
+        meta = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": len(ids)},
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(ids),
+            "cached_tokens": max(0, len(body["input_ids"]) - 4),
+            "weight_version": self.weight_version,
+            "output_token_logprobs": [[-0.5, t, None] for t in ids],
+        }
+        return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
+
+    async def _admin(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        path = request.path
+        self.admin.append((path, body))
+        assert self._unpause is not None
+        if path == "/pause_generation":
+            self.paused = True
+            self._unpause.clear()
+        elif path == "/continue_generation":
+            self.paused = False
+            self._unpause.set()
+        elif path == "/update_weights_from_disk":
+            self.weight_version = str(body.get("weight_version") or "updated")
+            return web.json_response({"success": True, "message": "ok"})
+        return web.json_response({"success": True})
+
+
+async def start_fakes(n: int, **kw: Any) -> list[FakeSGLang]:
+    return [await FakeSGLang(**kw).start() for _ in range(n)]
