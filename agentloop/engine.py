@@ -45,12 +45,18 @@ class Scorer:
 
     async def score(self, sample: Sample, solution_str: str) -> tuple[float, dict[str, Any]]:
         from agentloop.rewards import get_reward, score_episode
+        from agentloop.rewards.scoring import call_reward, normalize_reward
 
         fn = self.custom or get_reward(sample.data_source, default=self.cfg.reward.default)
         if inspect.iscoroutinefunction(fn):
-            raw = await fn(sample.data_source, solution_str, sample.ground_truth, sample.extra_info)
-            result = score_episode(lambda *a, **k: raw, sample.data_source, solution_str, sample.ground_truth,
-                                   sample.extra_info)
+            try:
+                raw = await call_reward(fn, {"data_source": sample.data_source, "solution_str": solution_str,
+                                             "ground_truth": sample.ground_truth, "extra_info": sample.extra_info})
+            except RewardError:
+                raise
+            except Exception as e:  # noqa: BLE001 - named and re-raised as a reward failure
+                raise RewardError(f"reward for {sample.data_source!r} raised {type(e).__name__}: {e}") from e
+            result = normalize_reward(raw, sample.data_source)
         else:
             result = score_episode(fn, sample.data_source, solution_str, sample.ground_truth, sample.extra_info)
         return result.score, result.info
