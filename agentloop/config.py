@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentloop.errors import ConfigError
+from agentloop.tools.config import ToolsConfig
 
 
 class Section(BaseModel):
@@ -180,6 +181,8 @@ class Config(Section):
     """Rollout settings."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """Reward selection."""
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    """Tools, tool-call parsing and the tool loop's limits."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

@@ -5,6 +5,7 @@ returning verl rows and call `register_dataset("name", fn)`; select it with
 `data.builtin=name`.
 """
 
+from agentloop.data import tasks  # noqa: F401 - registers the calculator sets
 from agentloop.data.builtin import builtin_rows, get_dataset, list_datasets, register_dataset
 from agentloop.data.loader import (
     load_file,

@@ -18,6 +18,7 @@ from agentloop.rewards.scoring import RewardCallable
 
 BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "agentloop/arithmetic": gsm8k.compute_score,
+    "agentloop/calculator": gsm8k.compute_score,
     "openai/gsm8k": gsm8k.compute_score,
     "gsm8k": gsm8k.compute_score,
     "gsm8k_flexible": gsm8k.compute_score_flexible,

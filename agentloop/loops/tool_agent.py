@@ -1,0 +1,346 @@
+"""tool_agent_loop: multi-turn generation with tool calls, token-exact.
+
+Map:
+    TemplateInfo / template_info   once per chat template: check it is append-only for tool turns and
+                                   measure the text it puts after an assistant message (e.g. "<|im_end|>\\n")
+    ToolAgentLoop.run              generate -> parse -> run tools -> append tool tokens -> generate ...
+    ToolAgentLoop._run_calls       one turn's calls: validated, concurrent (Semaphore), each under wait_for
+    ToolAgentLoop._env_ids         the tokens between a model turn and the next one
+
+Token exactness. Model tokens are the server's ids, kept as returned (mask 1, server logprobs); text is
+decoded only to parse tool calls. Everything else (the end of the assistant turn the template adds, the
+tool messages, the next turn's header) is the text difference between the template rendered with and
+without the new messages, tokenized (mask 0, logprob 0.0):
+
+    A = render(history + [assistant], add_generation_prompt=False)   ends with "...<|im_end|>\\n"
+    B = render(history + [assistant] + tool_messages, add_generation_prompt=True)
+    env text = rest of the assistant turn's suffix + B[len(A):]
+
+The suffix ("<|im_end|>\\n" for ChatML) is split against what the model emitted: when its last token is
+the suffix's start (EOS "<|im_end|>", stop on EOS), only "\\n" is added; when it stopped by length or on a
+stop string, the whole suffix is. So "\\n" and the next header appear exactly once. The assistant
+message given to the template is the decoded model text without that end token.
+
+Limits (finish_reason): stop (answered without a tool call), max_turns, token_budget (response tokens of
+the episode, model + tool, reach tools.max_response_tokens), context (the model's context is full),
+length (a turn hit its per-turn cap without a usable tool call), abort (the server aborted).
+Each turn asks for min(per-turn cap, what is left of the budget, what is left of the context).
+
+Simplifications: when a turn holds both well-formed and malformed calls, results are given in the order
+"well-formed calls, then one error per malformed call"; calls beyond tools.max_tool_calls_per_turn get
+an error message instead of running. Tool-side rewards and the excess-call penalty are reported in
+`extra` and `metrics`; the engine decides the final reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from agentloop.config import SamplingParams
+from agentloop.errors import ConfigError, PromptTooLongError
+from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
+from agentloop.loops.registry import register_agent_loop
+from agentloop.records import AgentLoopOutput
+from agentloop.sample import Sample
+from agentloop.tools.base import BaseTool, ToolResponse
+from agentloop.tools.config import ToolsConfig
+from agentloop.tools.parsers import ParseResult, ToolCall, get_parser
+from agentloop.tools.registry import get_tool
+
+logger = logging.getLogger(__name__)
+
+_MARK = "AGENTLOOP_CONTENT_END_7f3a"
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    turn_suffix: str
+    """Text the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
+
+
+_TEMPLATE_CACHE: dict[str, TemplateInfo] = {}
+
+
+def _first_diff(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _require_prefix(shorter: str, longer: str, what: str) -> None:
+    if not longer.startswith(shorter):
+        i = _first_diff(shorter, longer)
+        raise ConfigError(
+            f"the chat template is not append-only for tool turns: {what}. First difference at character "
+            f"{i}: {shorter[max(0, i - 40):i + 40]!r} vs {longer[max(0, i - 40):i + 40]!r}. tool_agent_loop "
+            "needs a template where adding messages only appends text (set model.tokenizer_path to a "
+            "tokenizer with such a template)")
+
+
+def template_info(render, *, check: bool = True, cache_key: str | None = None) -> TemplateInfo:
+    """Measure (and with `check`, verify) the template once; `render(messages, tools, add_generation_prompt)`."""
+    if cache_key is not None and cache_key in _TEMPLATE_CACHE:
+        return _TEMPLATE_CACHE[cache_key]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "q": {"type": "string"}}, "required": ["q"]}}}]
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+    u = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    a1 = {"role": "assistant", "content": "thinking " + call + _MARK}
+    t1 = {"role": "tool", "name": "lookup", "content": "R1"}
+    a2 = {"role": "assistant", "content": call + _MARK}
+    t2 = {"role": "tool", "name": "lookup", "content": "R2"}
+    try:
+        A1 = render(u + [a1], tools, False)
+        B1 = render(u + [a1, t1], tools, True)
+        A2 = render(u + [a1, t1, a2], tools, False)
+        B2 = render(u + [a1, t1, a2, t2], tools, True)
+    except Exception as e:  # noqa: BLE001 - re-raised as a config problem with the cause
+        raise ConfigError(f"the chat template cannot render a tool conversation: {type(e).__name__}: {e}") from e
+    if _MARK not in A1 or _MARK not in A2:
+        raise ConfigError("the chat template drops assistant message content; tool_agent_loop cannot use it")
+    suffix = A1[A1.rindex(_MARK) + len(_MARK):]
+    if check:
+        _require_prefix(A1, B1, "adding a tool message changes the text before it")
+        _require_prefix(B1, A2, "adding an assistant message after a tool message changes the text before it")
+        _require_prefix(A2, B2, "adding a second tool message changes the text before it")
+        if A2[A2.rindex(_MARK) + len(_MARK):] != suffix:
+            raise ConfigError("the chat template ends assistant turns differently from turn to turn "
+                              f"({suffix!r} vs {A2[A2.rindex(_MARK) + len(_MARK):]!r})")
+    info = TemplateInfo(turn_suffix=suffix)
+    if cache_key is not None:
+        _TEMPLATE_CACHE[cache_key] = info
+    return info
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.m: dict[str, float] = {k: 0.0 for k in (
+            "turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors", "unknown_tools",
+            "invalid_arguments", "dropped_calls", "truncated_tool_responses", "tool_time_s", "gen_time_s",
+            "release_errors")}
+
+    def add(self, key: str, v: float = 1.0) -> None:
+        self.m[key] = self.m.get(key, 0.0) + v
+
+
+@register_agent_loop("tool_agent_loop")
+class ToolAgentLoop(AgentLoopBase):
+    """Multi-turn loop with tools; settings in `config.tools` (ToolsConfig)."""
+
+    @property
+    def tools_config(self) -> ToolsConfig:
+        return getattr(self.config, "tools", None) or ToolsConfig()
+
+    # ------------------------------------------------------------ set-up
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, gen: bool) -> str:
+        return self.render_chat(messages, tools=tools, add_generation_prompt=gen)
+
+    def _template_info(self) -> TemplateInfo:
+        tmpl = getattr(self.tokenizer, "chat_template", None)
+        key = f"{type(self.tokenizer).__name__}:{getattr(self.tokenizer, 'name_or_path', '')}:{hash(str(tmpl))}"
+        return template_info(self._render, check=self.tools_config.check_template, cache_key=key)
+
+    def _episode_tools(self, sample: Sample) -> tuple[dict[str, BaseTool], dict[str, dict[str, Any]]]:
+        cfg = self.tools_config
+        kwargs = sample.tools_kwargs or sample.extra_info.get("tools_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"tools_kwargs of row {sample.index} must be a mapping, got {type(kwargs).__name__}")
+        names = list(cfg.names) + [n for n in kwargs if n not in cfg.names]
+        tools: dict[str, BaseTool] = {}
+        for n in names:
+            given = self.tools.get(n)
+            if isinstance(given, BaseTool):
+                tool = given
+            elif isinstance(given, type) and issubclass(given, BaseTool):
+                tool = given(cfg)
+            else:
+                tool = get_tool(n)(cfg)
+            tools[tool.name] = tool
+        per_tool = {}
+        for n, tool in tools.items():
+            kw = kwargs.get(n) or {}
+            if not isinstance(kw, dict):
+                raise ConfigError(f"tools_kwargs[{n!r}] of row {sample.index} must be a mapping")
+            per_tool[n] = kw.get("create_kwargs", kw) if isinstance(kw.get("create_kwargs"), dict) else kw
+        return tools, per_tool
+
+    # ------------------------------------------------------------ the episode
+
+    async def run(self, sample: Sample, sampling_params: SamplingParams) -> AgentLoopOutput:
+        cfg = self.tools_config
+        parser = get_parser(cfg.parser)
+        info = self._template_info()
+        tools, create_kwargs = self._episode_tools(sample)
+        schemas = [t.schema for t in tools.values()] or None
+        messages: list[dict[str, Any]] = [dict(m) for m in sample.messages]
+        prompt_ids = self.apply_chat_template(messages, tools=schemas)
+        if len(prompt_ids) >= self.context_length:
+            raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
+                                     f"of {self.context_length} tokens")
+        traj = TrajectoryBuilder(prompt_ids)
+        c = _Counters()
+        trace: list[dict[str, Any]] = []
+        instances: dict[str, Any] = {}
+        per_turn = cfg.max_tokens_per_turn or sampling_params.max_new_tokens
+        finish = "stop"
+        extra: dict[str, Any] = {}
+        try:
+            for name, tool in tools.items():
+                instances[name] = await tool.create(sample, **create_kwargs[name])
+            for turn in range(cfg.max_turns):
+                left = cfg.max_response_tokens - len(traj.response_ids)
+                room = self.context_length - len(traj.all_ids)
+                if left < 1 or room < 1:
+                    finish = "token_budget" if left < 1 else "context"
+                    break
+                want = min(per_turn, left, room)
+                limiter = "length" if want == per_turn else ("token_budget" if want == left else "context")
+                params = self.turn_params(sampling_params, turn).model_copy(update={"max_new_tokens": want})
+                t0 = time.monotonic()
+                out = await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids,
+                                                         sampling_params=params)
+                c.add("gen_time_s", time.monotonic() - t0)
+                c.add("turns")
+                traj.add_model(out)
+                text = self.decode(out.token_ids)
+                end_text = ""
+                if out.finish_reason == "stop" and out.token_ids:
+                    last = self.decode(out.token_ids[-1:])
+                    if last and info.turn_suffix.startswith(last) and text.endswith(last):
+                        end_text = last
+                content = text[:len(text) - len(end_text)]
+                messages.append({"role": "assistant", "content": content})
+                if out.finish_reason == "abort":
+                    finish = "abort"
+                    break
+                if out.finish_reason == "length" and not cfg.continue_after_length:
+                    finish = limiter
+                    break
+                parsed = parser(content)
+                if not parsed.attempted or (out.finish_reason == "length" and not parsed.calls):
+                    finish = "stop" if out.finish_reason == "stop" else limiter
+                    break
+                if turn == cfg.max_turns - 1:
+                    finish = "max_turns"
+                    break
+                tool_msgs = await self._run_calls(turn, parsed, tools, instances, c, trace)
+                env_ids = self._env_ids(messages, tool_msgs, schemas, info, end_text)
+                if len(traj.response_ids) + len(env_ids) >= cfg.max_response_tokens:
+                    finish = "token_budget"
+                    break
+                if len(traj.all_ids) + len(env_ids) >= self.context_length:
+                    finish = "context"
+                    break
+                messages.extend(tool_msgs)
+                traj.add_env(env_ids)
+            extra["tool_rewards"] = rewards = {}
+            for name, tool in tools.items():
+                r = await tool.reward(instances[name])
+                if r is not None:
+                    rewards[name] = float(r)
+                    c.m[f"tool_reward/{name}"] = float(r)
+            excess = 0.0 if cfg.free_calls is None else max(0.0, c.m["tool_calls"] - cfg.free_calls)
+            extra["tool_penalty"] = excess * cfg.excess_call_penalty
+            c.m["tool_penalty"] = extra["tool_penalty"]
+        finally:
+            for name, inst in instances.items():
+                try:
+                    await tools[name].release(inst)
+                except Exception:  # noqa: BLE001 - counted and logged; the episode's result stands
+                    c.add("release_errors")
+                    logger.exception("tool %r release failed in episode %s", name, sample.episode_id)
+        extra["response_text"] = self.decode(traj.response_ids)
+        extra["tool_trace"] = trace
+        extra["messages"] = messages
+        return traj.build(finish_reason=finish, metrics=c.m, extra=extra)
+
+    # ------------------------------------------------------------ pieces
+
+    def _env_ids(self, messages: list[dict[str, Any]], tool_msgs: list[dict[str, Any]], schemas: list[dict] | None,
+                 info: TemplateInfo, end_text: str) -> list[int]:
+        """Tokens from the end of the model's turn to the start of the next one (see the module docstring)."""
+        a = self._render(messages, schemas, False)
+        b = self._render(messages + tool_msgs, schemas, True)
+        _require_prefix(a, b, "adding tool messages changed the text before them")
+        env_text = info.turn_suffix[len(end_text):] + b[len(a):]
+        return list(self.tokenizer.encode(env_text, add_special_tokens=False))
+
+    def _truncate(self, text: str, c: _Counters) -> str:
+        limit = self.tools_config.max_tool_response_tokens
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= limit:
+            return text
+        c.add("truncated_tool_responses")
+        return self.tokenizer.decode(ids[:limit], skip_special_tokens=True) + \
+            f"\n[truncated: {len(ids) - limit} more tokens]"
+
+    async def _run_calls(self, turn: int, parsed: ParseResult, tools: dict[str, BaseTool],
+                         instances: dict[str, Any], c: _Counters, trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        cfg = self.tools_config
+        sem = asyncio.Semaphore(cfg.max_parallel_calls)
+        run = parsed.calls[:cfg.max_tool_calls_per_turn]
+        dropped = parsed.calls[cfg.max_tool_calls_per_turn:]
+
+        async def one(call: ToolCall) -> tuple[str, ToolResponse, float, str]:
+            tool = tools.get(call.name)
+            if tool is None:
+                c.add("unknown_tools")
+                return call.name, ToolResponse(text=f"error: unknown tool {call.name!r}; available tools: "
+                                                    f"{sorted(tools)}", error="unknown_tool"), 0.0, "unknown_tool"
+            problems = tool.validate_arguments(call.arguments)
+            if problems:
+                c.add("invalid_arguments")
+                return call.name, ToolResponse(
+                    text=f"error: invalid arguments for {call.name}: " + "; ".join(problems) +
+                         f". Expected schema: {json.dumps(tool.parameters)}", error="invalid_arguments"), 0.0, \
+                    "invalid_arguments"
+            async with sem:
+                t0 = time.monotonic()
+                try:
+                    resp = await asyncio.wait_for(tool.execute(instances[call.name], call.arguments),
+                                                  cfg.tool_timeout_s)
+                    kind = "ok" if resp.error is None else "error"
+                except asyncio.TimeoutError:
+                    c.add("tool_timeouts")
+                    resp = ToolResponse(text=f"error: {call.name} timed out after {cfg.tool_timeout_s:g}s",
+                                        error="timeout")
+                    kind = "timeout"
+                except Exception as e:  # noqa: BLE001 - a tool's failure becomes its message
+                    resp = ToolResponse(text=f"error: {type(e).__name__}: {e}", error=f"{type(e).__name__}: {e}")
+                    kind = "exception"
+                return call.name, resp, time.monotonic() - t0, kind
+
+        results = await asyncio.gather(*(one(call) for call in run))
+        msgs: list[dict[str, Any]] = []
+        for call, (name, resp, dt, kind) in zip(run, results):
+            c.add("tool_calls")
+            c.add("tool_time_s", dt)
+            c.add(f"tool/{name}/calls")
+            if resp.error is not None:
+                c.add("tool_errors")
+            for k, v in resp.metrics.items():
+                c.add(f"tool/{name}/{k}", float(v))
+            text = self._truncate(resp.text, c)
+            msgs.append({"role": "tool", "name": name, "content": text})
+            trace.append({"turn": turn, "name": name, "arguments": call.arguments, "status": kind,
+                          "error": resp.error, "time_s": round(dt, 4), "text": text[:200]})
+        for call in dropped:
+            c.add("dropped_calls")
+            text = (f"error: too many tool calls in one turn (limit {cfg.max_tool_calls_per_turn}); "
+                    f"this call to {call.name} was not run")
+            msgs.append({"role": "tool", "name": call.name, "content": text})
+            trace.append({"turn": turn, "name": call.name, "arguments": call.arguments, "status": "dropped",
+                          "error": "dropped", "time_s": 0.0, "text": text})
+        for err in parsed.errors:
+            c.add("parse_errors")
+            text = f"error: could not parse tool call: {err}"
+            msgs.append({"role": "tool", "name": "parse_error", "content": text})
+            trace.append({"turn": turn, "name": None, "arguments": None, "status": "parse_error", "error": err,
+                          "time_s": 0.0, "text": text[:200]})
+        return msgs

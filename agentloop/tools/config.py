@@ -1,0 +1,74 @@
+"""ToolsConfig: settings of the tool layer and of `tool_agent_loop` (mounted as `config.tools`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentloop.tools.sandbox import SandboxLimits
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class PythonToolConfig(SandboxLimits):
+    """Settings of the built-in `python` tool: the sandbox limits plus a global concurrency cap."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    max_concurrent: int = Field(default=4, ge=1)
+    """Sandboxed programs running at once in this process, over all episodes."""
+
+
+class SearchToolConfig(_Section):
+    corpus_path: str | None = None
+    """JSONL corpus of {id, title, text}; None uses the bundled demo corpus."""
+    top_k: int = Field(default=3, ge=1, le=50)
+    """Passages returned per query (the model may ask for fewer)."""
+    max_passage_chars: int = Field(default=600, ge=50)
+    """Passages are cut to this many characters in the result."""
+    k1: float = Field(default=1.2, ge=0)
+    """BM25 term-frequency saturation."""
+    b: float = Field(default=0.75, ge=0, le=1)
+    """BM25 length normalisation."""
+
+
+class ToolsConfig(_Section):
+    names: list[str] = Field(default_factory=list)
+    """Tools every episode gets; a row's `tools_kwargs` keys add more (verl style)."""
+    parser: str = "hermes"
+    """Registered tool-call parser (hermes, llama3_json, qwen3_coder, or a plugin's)."""
+    max_turns: int = Field(default=8, ge=1)
+    """Assistant turns (generate calls) per episode."""
+    max_response_tokens: int = Field(default=4096, ge=1)
+    """Token budget of the whole response (model + tool tokens) per episode."""
+    max_tokens_per_turn: int | None = Field(default=None, ge=1)
+    """Cap on one turn's new tokens; None uses sampling.max_new_tokens."""
+    max_tool_calls_per_turn: int = Field(default=4, ge=1)
+    """Calls executed per assistant turn; extra calls get an error message instead."""
+    max_parallel_calls: int = Field(default=4, ge=1)
+    """Calls of one turn running concurrently."""
+    tool_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one tool call (asyncio.wait_for); past it the call's message says it timed out."""
+    max_tool_response_tokens: int = Field(default=512, ge=8)
+    """Tool messages longer than this (in tokens) are cut, with a marker saying so."""
+    continue_after_length: bool = True
+    """A turn cut by its token cap still runs the complete tool calls it holds (else the episode ends)."""
+    free_calls: int | None = Field(default=None, ge=0)
+    """Tool calls per episode free of penalty; None: no penalty."""
+    excess_call_penalty: float = Field(default=0.0, ge=0)
+    """Penalty per call beyond `free_calls` (reported in extra['tool_penalty']; the engine applies it)."""
+    check_template: bool = True
+    """Check once per tokenizer that the chat template is append-only for tool turns (ConfigError if not)."""
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+    """The `python` tool's sandbox."""
+    search: SearchToolConfig = Field(default_factory=SearchToolConfig)
+    """The `search` tool's corpus and ranking."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> "ToolsConfig":
+        if self.max_parallel_calls > self.max_tool_calls_per_turn:
+            self.__dict__["max_parallel_calls"] = self.max_tool_calls_per_turn
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"tools.names has duplicates: {self.names}")
+        return self

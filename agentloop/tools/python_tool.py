@@ -1,0 +1,56 @@
+"""The built-in `python` tool: runs the model's code in the sandbox (see sandbox.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any
+
+from agentloop.tools.base import BaseTool, ToolResponse
+from agentloop.tools.registry import register_tool
+from agentloop.tools.sandbox import SandboxLimits, run_python
+
+# one concurrency cap per event loop (a Semaphore belongs to the loop it first waits on)
+_SEMAPHORES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
+
+
+def _semaphore(n: int) -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    sem = _SEMAPHORES.get(loop)
+    if sem is None:
+        sem = _SEMAPHORES[loop] = asyncio.Semaphore(n)
+    return sem
+
+
+@register_tool("python")
+class PythonTool(BaseTool):
+    """Executes a Python program in a fresh sandbox and returns what it printed.
+
+    Each call is a new process (no state carries over between calls). Row kwargs may set `timeout_s`
+    (capped by the config's value).
+    """
+
+    name = "python"
+    description = ("Run a Python 3 program in a sandbox and return its stdout and stderr. "
+                   "Each call starts fresh; print the values you need. No network access.")
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The complete program to run."}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
+
+    async def create(self, episode: Any, **kwargs: Any) -> dict[str, Any]:
+        limits = SandboxLimits(**self.config.python.model_dump(exclude={"max_concurrent"}))
+        if "timeout_s" in kwargs:
+            limits = limits.model_copy(update={"timeout_s": min(float(kwargs["timeout_s"]), limits.timeout_s)})
+        return {"limits": limits, "runs": 0}
+
+    async def execute(self, instance: dict[str, Any], arguments: dict[str, Any]) -> ToolResponse:
+        limits: SandboxLimits = instance["limits"]
+        async with _semaphore(self.config.python.max_concurrent):
+            res = await run_python(arguments["code"], limits)
+        instance["runs"] += 1
+        metrics = {"wall_s": res.wall_s, "cpu_s": res.cpu_s, f"reason_{res.reason}": 1.0}
+        error = None if res.reason == "ok" else res.reason
+        return ToolResponse(text=res.summary(limits), metrics=metrics, error=error)

@@ -1,0 +1,59 @@
+"""The tool registry: an explicit dict plus register/get (the built-ins register on import)."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar, overload
+
+from agentloop.errors import ConfigError
+from agentloop.tools.base import BaseTool
+
+_TOOLS: dict[str, type[BaseTool]] = {}
+
+T = TypeVar("T", bound=type[BaseTool])
+
+
+@overload
+def register_tool(name: str, cls: None = None, *, override: bool = False) -> Callable[[T], T]: ...
+@overload
+def register_tool(name: str, cls: T, *, override: bool = False) -> T: ...
+
+
+def register_tool(name, cls=None, *, override=False):
+    """Register tool class `cls` under `name`; without `cls`, return a class decorator.
+
+    A taken name is an error unless `override=True`; re-registering the same class is a no-op.
+    """
+
+    def _register(c):
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"tool name must be a non-empty string, got {name!r}")
+        if not (isinstance(c, type) and issubclass(c, BaseTool)):
+            raise ConfigError(f"tool {name!r}: {c!r} is not a subclass of BaseTool")
+        old = _TOOLS.get(name)
+        if old is not None and old is not c and not override:
+            raise ConfigError(f"tool {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
+                              "pass override=True to replace it")
+        _TOOLS[name] = c
+        if not c.name:
+            c.name = name
+        return c
+
+    if cls is None:
+        return _register
+    return _register(cls)
+
+
+def get_tool(name: str) -> type[BaseTool]:
+    """The tool class registered under `name`."""
+    import agentloop.tools  # noqa: F401 - registers the built-ins
+
+    try:
+        return _TOOLS[name]
+    except KeyError:
+        raise ConfigError(f"unknown tool {name!r}; registered: {sorted(_TOOLS)}") from None
+
+
+def list_tools() -> list[str]:
+    import agentloop.tools  # noqa: F401
+
+    return sorted(_TOOLS)
