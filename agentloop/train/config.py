@@ -1,0 +1,117 @@
+"""Config sections of the learner: `AlgoConfig` (what is optimised) and `LearnerConfig` (how).
+
+The root config mounts them as `Config.algo` and `Config.learner`; this module imports nothing
+from agentloop.config so the learner process can parse its config without the rest of the tree.
+Cross-field rules live in validators here, so a bad combination fails before any model loads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class AlgoConfig(_Section):
+    estimator: str = "grpo"
+    """Advantage estimator, a name in `agentloop.train.advantages.ESTIMATORS`: grpo, rloo, reinforce_pp."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's reward std. False = Dr. GRPO (mean baseline only)."""
+    adv_eps: float = Field(default=1e-6, gt=0)
+    """Added to a std before dividing by it."""
+    drop_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (their advantages are 0) from the loss and its denominators."""
+    clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO clip: the ratio is kept >= 1 - clip_ratio_low (for negative advantages)."""
+    clip_ratio_high: float = Field(default=0.28, ge=0)
+    """PPO clip: the ratio is kept <= 1 + clip_ratio_high (for positive advantages); may differ from low."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token losses become one number: mean over all model tokens of the mini-batch,
+    mean over sequences of each sequence's token sum, or mean over sequences of each sequence's token mean."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to the frozen initial model. 0 = no reference model is loaded."""
+    kl_type: Literal["k1", "k3"] = "k3"
+    """KL estimator per sampled token: k1 = logp - ref_logp; k3 = exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus (subtracted from the loss). Entropy is reported either way."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """The PPO ratio's denominator. recompute: the learner's own logprobs before the step (one extra
+    forward pass); rollout: the server's logprobs from the records (no extra pass)."""
+    tis_cap: float | None = Field(default=2.0, gt=1)
+    """Truncated importance sampling cap for the rollout/learner mismatch (see losses.py for exactly
+    how it is used in each old_logprobs mode). None disables the correction."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of the rollouts; learner logits are divided by it so logprobs match."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgoConfig":
+        if self.clip_ratio_low >= 1:
+            raise ValueError("clip_ratio_low must be < 1")
+        return self
+
+
+class LearnerConfig(_Section):
+    lr: float = Field(default=1e-6, gt=0)
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Training steps of linear warmup from 0 to `lr`."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warmup: constant, or cosine decay to `min_lr_ratio * lr` at `total_steps`."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Cosine schedule floor, as a fraction of `lr`."""
+    total_steps: int | None = Field(default=None, ge=1)
+    """Training steps of the run (needed by the cosine schedule)."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this; None = no clipping (the norm is still reported)."""
+    micro_batch_tokens: int = Field(default=8192, ge=1)
+    """Token budget of one forward/backward: sequences are packed greedily until their summed
+    lengths would exceed it (a longer sequence gets a micro-batch of its own)."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each step's batch."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per epoch: the step's episodes are split into this many mini-batches."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype (master weights and optimizer state stay float32). auto: bfloat16 on GPU, float32 on CPU."""
+    nproc: int = Field(default=1, ge=1)
+    """Learner ranks (torchrun --nproc-per-node)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend. auto: nccl on GPU, gloo on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner runs. auto: cuda if a GPU is visible, else cpu."""
+    checkpoint_every: int | None = Field(default=None, ge=1)
+    """Save a resumable checkpoint (model, optimizer, step, data position, RNG) every N steps; None = never."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a new one is complete."""
+    keep_weights: int | None = Field(default=3, ge=1)
+    """HF weight directories (weights/step-N) kept by the mailbox learner; None = keep all."""
+    seed: int = 0
+    """Seed of torch/numpy/python RNGs (each rank adds its rank)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    poll_s: float = Field(default=0.5, gt=0)
+    """Mailbox: how often rank 0 looks for the next batch."""
+    batch_timeout_s: float = Field(default=3600.0, gt=0)
+    """Mailbox: the learner exits with an error if no batch arrives for this long."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "LearnerConfig":
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("schedule='cosine' needs total_steps")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) > total_steps ({self.total_steps})")
+        return self
+
+
+__all__ = ["AlgoConfig", "LearnerConfig", "LossAggMode"]

@@ -1,0 +1,637 @@
+"""The FSDP2 learner: a `Learner` class (usable in-process) and the mailbox-driven learner process.
+
+Launch (one machine, N ranks; gloo on CPU, nccl on GPU):
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m agentloop.train.learner --run-dir RUN_DIR --model MODEL_DIR \\
+        [--config CONFIG.yaml] [--set algo.kl_coef=0.01 --set learner.lr=1e-6 ...] \\
+        [--no-resume] [--heartbeat-s 5]
+
+With one rank, `python -m agentloop.train.learner ...` works too (it starts its own
+single-rank process group). `learner_command(...)` builds either command line.
+
+    --run-dir    shared directory with mailbox/, weights/, checkpoints/ (see agentloop.train.mailbox)
+    --model      HF model directory to start from (also the frozen reference when kl_coef > 0)
+    --config     YAML or JSON file; its `algo:` and `learner:` sections are used, other
+                 top-level keys are ignored (so the run's resolved config file works as is)
+    --set        `algo.key=value` / `learner.key=value` overrides, values parsed as YAML
+    --no-resume  start from --model even if RUN_DIR/checkpoints holds a checkpoint
+
+The process trains mailbox steps in order until RUN_DIR/mailbox/STOP appears (exit 0), a
+step fails (update.failed written, exit 1) or no batch arrives within
+`learner.batch_timeout_s` (exit 2). The resolved config is written to
+RUN_DIR/learner_config.json.
+
+Map:
+    lr_at                  warmup + constant/cosine schedule, a pure function of the step
+    init_distributed       join torchrun's process group, or make a single-rank one
+    Learner                model + optimizer (+ reference); compute_logprobs, train_step,
+                           save_hf, save_checkpoint, load_checkpoint, close
+    serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
+    learner_command, main  the command line
+
+Who calls whom: serve -> Learner -> batching / losses / checkpoint; Learner never touches the
+mailbox, so it is the API for an in-process trainer too.
+
+Simplified: every rank loads the full HF model on CPU before sharding (no meta-device init);
+logits are materialised for a whole micro-batch in float32 (size micro_batch_tokens x vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agentloop.train.config import AlgoConfig, LearnerConfig
+
+# Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_TIMEOUT",
+    "Learner",
+    "init_distributed",
+    "learner_command",
+    "load_sections",
+    "lr_at",
+    "main",
+    "resolve_device",
+    "serve",
+]
+
+
+def lr_at(step: int, cfg: LearnerConfig) -> float:
+    """Learning rate of training step `step` (1-based): linear warmup, then constant or cosine."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    total = cfg.total_steps or step
+    progress = min(max((step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1), 0.0), 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def resolve_device(cfg: LearnerConfig) -> str:
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def init_distributed(cfg: LearnerConfig, device: str) -> bool:
+    """Join torchrun's group (env RANK/WORLD_SIZE) or create a one-rank group on an in-memory store.
+
+    Returns True when this call created the group (so `Learner.close` destroys it); an already
+    initialised group is reused as is.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    kw: dict[str, Any] = {}
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        kw["device_id"] = torch.device("cuda", local)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, **kw)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return True
+
+
+def _copy_aux_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation config, chat template...: every top-level file except weights and config.json."""
+    skip_suffix = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+    for f in src.iterdir():
+        if not f.is_file() or f.name == "config.json" or f.name.endswith(skip_suffix) or f.name.endswith(".index.json"):
+            continue
+        shutil.copy2(f, dst / f.name)
+
+
+class Learner:
+    """An FSDP2-sharded policy (and optional frozen reference) with its AdamW optimizer.
+
+    Every rank of the process group constructs one and calls every method (they are collective),
+    with the same arguments; `train_step` on every rank gets the full record list and takes its
+    own share.
+    """
+
+    def __init__(self, model_path: str | Path, algo: AlgoConfig | None = None, cfg: LearnerConfig | None = None):
+        import random
+
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from agentloop.train.advantages import get_estimator
+
+        self.algo = algo or AlgoConfig()
+        self.cfg = cfg or LearnerConfig()
+        get_estimator(self.algo.estimator)  # an unknown name fails before the model loads
+        self.model_path = Path(model_path)
+        self.device_type = resolve_device(self.cfg)
+        self._owns_group = init_distributed(self.cfg, self.device_type)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if self.device_type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        dt = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if self.device_type == "cuda" else "float32")
+        self.compute_dtype = getattr(torch, dt)
+        seed = self.cfg.seed + self.rank
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.pad_id = self.hf_config.pad_token_id if isinstance(self.hf_config.pad_token_id, int) else 0
+        self.mesh = init_device_mesh(self.device_type, (self.world,))
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation="sdpa")
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        self.model = self._shard(model, mixed=self.compute_dtype != torch.float32)
+        self.model.train()
+        self.ref_model = None
+        if self.algo.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.compute_dtype,
+                                                       attn_implementation="sdpa")
+            ref.requires_grad_(False)
+            self.ref_model = self._shard(ref, mixed=False)
+            self.ref_model.eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.step = 0
+        """Last training step applied to the weights (0 = none)."""
+
+    def _shard(self, model, *, mixed: bool):
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if mixed:
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        else:
+            mp = MixedPrecisionPolicy()
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        layers = [m for m in model.modules() if type(m).__name__ in blocks]
+        if not layers:
+            raise ValueError(f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={blocks})")
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        return model
+
+    # forward ---------------------------------------------------------------------------------
+    def _forward(self, model, mb, *, entropy: bool, entropy_grad: bool):
+        """(logp, entropy or None) of mb's targets, Tensor[b, L] float32."""
+        import torch
+
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    use_cache=False)
+        logits = out.logits.float()
+        if self.algo.temperature != 1.0:
+            logits = logits / self.algo.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, ent
+
+    def compute_logprobs(self, records) -> list[list[float]]:
+        """Current-policy logprobs of each record's response tokens (0.0 on mask-0 tokens).
+
+        Collective; every rank gets the full list. Failed records are not skipped here.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from agentloop.train.batching import Episode, plan_micro_batches
+
+        eps = [Episode(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids), list(r.response_mask),
+                       list(r.response_logprobs), 0.0, 0.0) for r in records]
+        result: dict[int, list[float]] = {}
+        with torch.no_grad():
+            for mb in plan_micro_batches(eps, list(range(len(eps))), self.algo.loss_agg_mode,
+                                         budget=self.cfg.micro_batch_tokens, rank=self.rank, world=self.world,
+                                         pad_id=self.pad_id):
+                mb.to(self.device)
+                logp, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
+                logp = (logp * mb.loss_mask).cpu()
+                for row, i in enumerate(mb.episode_ids):
+                    s, k = eps[i].prompt_len - 1, len(eps[i].response_mask)
+                    result[i] = logp[row, s:s + k].tolist()
+        if self.world > 1:
+            parts: list[Any] = [None] * self.world
+            dist.all_gather_object(parts, result)
+            for p in parts:
+                result.update(p)
+        return [result[i] for i in range(len(eps))]
+
+    # training --------------------------------------------------------------------------------
+    def train_step(self, records, step: int) -> dict[str, float]:
+        """One training step on `records` (every rank passes the same full list); returns metrics.
+
+        Failed and unscored records are excluded; advantages per (step, index) group; then
+        `ppo_epochs` x `mini_batches` optimizer steps. Metric names: batch/*, reward/*, adv/*,
+        actor/*, mismatch/*, time/*, perf/*.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from agentloop.train.batching import mini_batch_indices, plan_micro_batches, prepare_episodes
+        from agentloop.train.losses import Stats, policy_loss
+
+        t0 = time.perf_counter()
+        algo, cfg = self.algo, self.cfg
+        prepared = prepare_episodes(list(records), algo)
+        eps = prepared.episodes
+        lr = lr_at(step, cfg)
+        metrics: dict[str, float] = dict(prepared.metrics)
+        metrics["actor/lr"] = lr
+        if not eps:
+            self.step = step
+            metrics["actor/skipped"] = 1.0
+            return metrics
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        minis = mini_batch_indices(len(eps), cfg.mini_batches, seed=cfg.seed * 1_000_003 + step)
+        plans = [plan_micro_batches(eps, idxs, algo.loss_agg_mode, budget=cfg.micro_batch_tokens,
+                                    rank=self.rank, world=self.world, pad_id=self.pad_id) for idxs in minis]
+        for mbs in plans:
+            for mb in mbs:
+                mb.to(self.device)
+
+        t1 = time.perf_counter()
+        recompute = algo.old_logprobs == "recompute"
+        if recompute or self.ref_model is not None:
+            with torch.no_grad():
+                for mbs in plans:
+                    for mb in mbs:
+                        if recompute:
+                            mb.old_logprobs, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
+                        if self.ref_model is not None:
+                            mb.ref_logprobs, _ = self._forward(self.ref_model, mb, entropy=False, entropy_grad=False)
+
+        t2 = time.perf_counter()
+        stats = Stats()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        skipped = 0
+        want_entropy_grad = algo.entropy_coef > 0
+        for _epoch in range(cfg.ppo_epochs):
+            for mbs in plans:
+                self.optimizer.zero_grad(set_to_none=True)
+                part = 0.0
+                for j, mb in enumerate(mbs):
+                    self.model.set_requires_gradient_sync(j == len(mbs) - 1)
+                    logp, ent = self._forward(self.model, mb, entropy=True, entropy_grad=want_entropy_grad)
+                    old = mb.old_logprobs if recompute else mb.rollout_logprobs
+                    out = policy_loss(logp, old, mb.advantages, mb.loss_mask, mb.weights, algo,
+                                      rollout_logp=mb.rollout_logprobs, ref_logp=mb.ref_logprobs, entropy=ent)
+                    (out.loss * self.world).backward()
+                    part += float(out.loss.detach())
+                    stats.merge(out.stats)
+                losses.append(part)
+                max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                norm = float(norm)
+                grad_norms.append(norm)
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                else:
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        self.model.set_requires_gradient_sync(True)
+        t3 = time.perf_counter()
+
+        stats.all_reduce()
+        loss_t = torch.tensor(losses, dtype=torch.float64,
+                              device=self.device if dist.get_backend() == "nccl" else None)
+        if self.world > 1:
+            dist.all_reduce(loss_t)
+        losses = loss_t.tolist()
+        metrics.update(stats.result())
+        metrics["actor/loss"] = sum(losses) / len(losses)
+        n_mb = len(minis)
+        if cfg.ppo_epochs > 1:
+            for e in range(cfg.ppo_epochs):
+                metrics[f"actor/loss_epoch{e}"] = sum(losses[e * n_mb:(e + 1) * n_mb]) / n_mb
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/grad_norm_max"] = max(grad_norms)
+        metrics["actor/optimizer_steps"] = float(len(grad_norms) - skipped)
+        metrics["actor/skipped_nonfinite"] = float(skipped)
+        metrics["actor/micro_batches"] = float(sum(len(m) for m in plans))
+        metrics["time/prepare_s"] = t1 - t0
+        metrics["time/logprobs_s"] = t2 - t1
+        metrics["time/update_s"] = t3 - t2
+        tokens = sum(e.length for e in eps) * cfg.ppo_epochs
+        metrics["perf/tokens_per_s"] = tokens / max(t3 - t0, 1e-9)
+        self.step = step
+        return metrics
+
+    # saving ----------------------------------------------------------------------------------
+    def save_hf(self, path: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
+        """Collective: gather full weights to rank 0 and write an HF directory at `path`.
+
+        Weights are written in the compute dtype as safetensors (sharded with an index above
+        `max_shard_bytes`), plus config.json and the model directory's tokenizer / generation
+        files, into a temp dir renamed into place, so SGLang's /update_weights_from_disk never
+        sees a partial directory. Returns `path`.
+        """
+        import torch
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        path = Path(path)
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+            try:
+                if getattr(self.hf_config, "tie_word_embeddings", False):
+                    sd.pop("lm_head.weight", None)
+                tensors = {k: v.detach().to(self.compute_dtype).contiguous().clone() for k, v in sd.items()}
+                shards: list[dict[str, torch.Tensor]] = [{}]
+                size = 0
+                for k, v in tensors.items():
+                    nbytes = v.numel() * v.element_size()
+                    if shards[-1] and size + nbytes > max_shard_bytes:
+                        shards.append({})
+                        size = 0
+                    shards[-1][k] = v
+                    size += nbytes
+                if len(shards) == 1:
+                    save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+                else:
+                    weight_map = {}
+                    for i, sh in enumerate(shards, 1):
+                        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                        save_file(sh, tmp / name, metadata={"format": "pt"})
+                        weight_map.update({k: name for k in sh})
+                    total = sum(v.numel() * v.element_size() for v in tensors.values())
+                    (tmp / "model.safetensors.index.json").write_text(
+                        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+                _copy_aux_files(self.model_path, tmp)
+                conf = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
+                conf.dtype = self.compute_dtype
+                conf.save_pretrained(tmp)
+                if path.exists():
+                    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                    os.replace(path, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.replace(tmp, path)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        del sd
+        dist.barrier()
+        return path
+
+    def save_checkpoint(
+        self, root: str | Path, *, data_position: Any = None, extra: dict[str, Any] | None = None
+    ) -> Path:
+        """Collective: resumable checkpoint of `self.step` under root (see agentloop.train.checkpoint)."""
+        from agentloop.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(root, self.step, self.model, self.optimizer, data_position=data_position,
+                               extra=extra, keep=self.cfg.keep_checkpoints)
+
+    def load_checkpoint(self, path: str | Path):
+        """Collective: restore weights, optimizer, RNG and `self.step`; returns the CheckpointMeta."""
+        from agentloop.train.checkpoint import load_checkpoint
+
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.step = meta.step
+        return meta
+
+    def close(self) -> None:
+        """Free the models; destroy the process group if this Learner created it."""
+        import torch.distributed as dist
+
+        self.model = None
+        self.ref_model = None
+        self.optimizer = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+# the mailbox loop ----------------------------------------------------------------------------
+
+EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
+
+
+def _bcast(obj: Any, device) -> Any:
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
+def serve(
+    run_dir: str | Path,
+    model_path: str | Path,
+    algo: AlgoConfig,
+    cfg: LearnerConfig,
+    *,
+    resume: bool = True,
+    heartbeat_s: float = 5.0,
+) -> int:
+    """Train mailbox steps until STOP; returns an exit code (EXIT_OK / EXIT_FAILED / EXIT_TIMEOUT).
+
+    Rank 0 polls the mailbox and broadcasts one message per poll ("wait", "batch", "stop",
+    "timeout") so the other ranks never sit in a collective longer than `poll_s`.
+    """
+    import torch.distributed as dist
+
+    from agentloop.train.checkpoint import latest_checkpoint
+    from agentloop.train.mailbox import LearnerMailbox, MailboxError, MailboxPaths
+
+    started = time.time()
+    paths = MailboxPaths(Path(run_dir))
+    learner = Learner(model_path, algo, cfg)
+    rank = learner.rank
+    dev = learner.device if learner.device_type == "cuda" else None
+    box = LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started) if rank == 0 else None
+    code = EXIT_OK
+    try:
+        if box is not None:
+            box.start_heartbeat()
+            (Path(run_dir) / "learner_config.json").write_text(json.dumps(
+                {"algo": algo.model_dump(), "learner": cfg.model_dump(), "model": str(model_path),
+                 "world_size": learner.world}, indent=1))
+        ck = latest_checkpoint(paths.checkpoints) if (resume and rank == 0) else None
+        ck = _bcast(str(ck) if ck else None, dev)
+        data_position = None
+        resumed_step = None
+        if ck is not None:
+            meta = learner.load_checkpoint(ck)
+            data_position, resumed_step = meta.data_position, meta.step
+        next_step = learner.step + 1
+        if box is not None:
+            box.clear_after(learner.step)
+            box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
+                            data_position=data_position, world_size=learner.world)
+        waited_since = time.monotonic()
+        while True:
+            msg: Any = None
+            if box is not None:
+                if box.batch_ready(next_step):
+                    try:
+                        records, meta = box.read_batch(next_step)
+                        msg = ("batch", records, meta)
+                    except Exception as e:  # unreadable batch: every rank stops, the orchestrator is told
+                        box.write_failed(next_step, e)
+                        msg = ("bad_batch", f"{type(e).__name__}: {e}")
+                elif box.stop_requested():
+                    msg = ("stop",)
+                elif time.monotonic() - waited_since > cfg.batch_timeout_s:
+                    msg = ("timeout",)
+                else:
+                    msg = ("wait",)
+            msg = _bcast(msg, dev)
+            if msg[0] == "wait":
+                time.sleep(cfg.poll_s)
+                continue
+            if msg[0] == "stop":
+                break
+            if msg[0] == "bad_batch":
+                raise MailboxError(f"step {next_step}: unreadable batch: {msg[1]}")
+            if msg[0] == "timeout":
+                if box is not None:
+                    box.update_info(status="failed", error=f"no batch for step {next_step} in {cfg.batch_timeout_s}s")
+                code = EXIT_TIMEOUT
+                break
+            _, records, meta = msg
+            step = next_step
+            try:
+                if box is not None:
+                    box.update_info(status="training", step=step)
+                metrics = learner.train_step(records, step)
+                t = time.perf_counter()
+                wdir = learner.save_hf(paths.weights(step))
+                metrics["time/save_hf_s"] = time.perf_counter() - t
+                data_position = meta.get("data_position")
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    t = time.perf_counter()
+                    learner.save_checkpoint(paths.checkpoints, data_position=data_position)
+                    metrics["time/checkpoint_s"] = time.perf_counter() - t
+                if box is not None:
+                    box.write_done(step, wdir, metrics)
+                    box.prune_weights(cfg.keep_weights)
+                    box.update_info(status="ready", next_step=step + 1, last_step=step)
+            except Exception as e:
+                if box is not None:
+                    box.write_failed(step, e)
+                    box.update_info(status="failed", error=f"{type(e).__name__}: {e}")
+                raise
+            next_step = step + 1
+            waited_since = time.monotonic()
+        return code
+    except Exception:
+        code = EXIT_FAILED
+        raise
+    finally:
+        if box is not None:
+            box.close(status="stopped" if code == EXIT_OK else "failed")
+        learner.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# command line --------------------------------------------------------------------------------
+
+def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[AlgoConfig, LearnerConfig]:
+    """algo/learner sections from a YAML/JSON file (other top-level keys ignored) plus overrides."""
+    import yaml
+
+    from agentloop.errors import ConfigError
+
+    raw: dict[str, Any] = {}
+    if config is not None:
+        raw = yaml.safe_load(Path(config).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{config}: expected a mapping at the top level")
+    data = {"algo": dict(raw.get("algo") or {}), "learner": dict(raw.get("learner") or {})}
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section not in data or not name:
+            raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE")
+        data[section][name] = yaml.safe_load(value)
+    try:
+        return AlgoConfig(**data["algo"]), LearnerConfig(**data["learner"])
+    except Exception as e:  # pydantic ValidationError -> our ConfigError, key named by pydantic
+        raise ConfigError(str(e)) from None
+
+
+def learner_command(
+    run_dir: str | Path,
+    model_path: str | Path,
+    *,
+    nproc: int = 1,
+    config: str | Path | None = None,
+    overrides: list[str] | None = None,
+    resume: bool = True,
+    python: str = sys.executable,
+) -> list[str]:
+    """argv that launches the mailbox learner: torchrun for nproc > 1, plain python otherwise."""
+    if nproc > 1:
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "agentloop.train.learner"]
+    else:
+        cmd = [python, "-m", "agentloop.train.learner"]
+    cmd += ["--run-dir", str(run_dir), "--model", str(model_path)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    for ov in overrides or []:
+        cmd += ["--set", ov]
+    if not resume:
+        cmd.append("--no-resume")
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="agentloop.train.learner", description="Mailbox-driven FSDP2 learner.")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--no-resume", dest="resume", action="store_false")
+    p.add_argument("--heartbeat-s", type=float, default=5.0)
+    a = p.parse_args(argv)
+    algo, cfg = load_sections(a.config, a.overrides)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,345 @@
+"""The file protocol between the orchestrator (rollouts) and the learner ranks.
+
+Both sides only need a shared filesystem, so they may run on different machines. Layout:
+
+    RUN_DIR/mailbox/learner.json               learner rank 0: pid, host, status, next_step,
+                                               resumed_step, data_position, heartbeat (rewritten
+                                               every few seconds by a thread)
+    RUN_DIR/mailbox/step-000001/batch.jsonl    orchestrator: EpisodeRecord lines of step 1
+    RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after batch.jsonl: {"step", "num_records",
+                                               "data_position", "time"}
+    RUN_DIR/mailbox/step-000001/update.done    learner: {"step", "weights_dir", "metrics", "time"}
+    RUN_DIR/mailbox/step-000001/update.failed  learner: {"step", "error", "traceback", "time"}
+    RUN_DIR/mailbox/STOP                       orchestrator: the learner exits after its current step
+                                               (a STOP older than the learner process is removed)
+    RUN_DIR/weights/step-000001/               learner: HF weights after step 1 (for SGLang's
+                                               /update_weights_from_disk)
+
+Every file is written to a temporary name and renamed, so a reader never sees half a file.
+Steps are consumed in order, one batch per step; `data_position` is opaque to the learner: it
+is stored in checkpoints and reported back in learner.json after a resume.
+
+Sequence per step: orchestrator `submit(step, records)` -> learner trains -> learner saves
+weights/step-N (and a checkpoint when due) -> learner writes update.done -> orchestrator
+`wait_update(step)` returns the weights dir and metrics.
+
+Resume: a restarted learner loads its newest complete checkpoint (step C), deletes update.* and
+weights of steps > C, and reports next_step = C + 1 in learner.json before waiting for that
+step's batch. The orchestrator reads `wait_ready()`'s answer and (re)submits batches from
+next_step on; batches already in the mailbox are reused.
+
+Liveness: with a process handle (`process=`) the client checks the learner process itself;
+otherwise it checks that learner.json's heartbeat is younger than `heartbeat_timeout_s`.
+
+Map:
+    MailboxPaths      where everything lives
+    MailboxClient     orchestrator side
+    LearnerMailbox    learner rank 0 side (the loop itself is `agentloop.train.learner.serve`)
+    MailboxError      base of MailboxTimeout, LearnerDiedError, LearnerFailedError
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from agentloop.errors import AgentLoopError
+from agentloop.records import EpisodeRecord, read_records
+
+
+class MailboxError(AgentLoopError):
+    """Base of the learner-mailbox errors."""
+
+
+class MailboxTimeout(MailboxError, TimeoutError):
+    """A wait on the mailbox ran past its deadline."""
+
+
+class LearnerDiedError(MailboxError):
+    """The learner process exited, or its heartbeat went stale."""
+
+
+class LearnerFailedError(MailboxError):
+    """The learner wrote update.failed for a step; `traceback` holds its traceback."""
+
+    def __init__(self, message: str, *, step: int, traceback: str = ""):
+        super().__init__(message)
+        self.step = step
+        self.traceback = traceback
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, default=str))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class MailboxPaths:
+    run_dir: Path
+
+    @property
+    def mailbox(self) -> Path:
+        return self.run_dir / "mailbox"
+
+    @property
+    def weights_root(self) -> Path:
+        return self.run_dir / "weights"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def learner_info(self) -> Path:
+        return self.mailbox / "learner.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.mailbox / "STOP"
+
+    def step_dir(self, step: int) -> Path:
+        return self.mailbox / f"step-{step:06d}"
+
+    def batch(self, step: int) -> Path:
+        return self.step_dir(step) / "batch.jsonl"
+
+    def ready(self, step: int) -> Path:
+        return self.step_dir(step) / "batch.ready"
+
+    def done(self, step: int) -> Path:
+        return self.step_dir(step) / "update.done"
+
+    def failed(self, step: int) -> Path:
+        return self.step_dir(step) / "update.failed"
+
+    def weights(self, step: int) -> Path:
+        return self.weights_root / f"step-{step:06d}"
+
+
+@dataclass
+class UpdateResult:
+    step: int
+    weights_dir: Path
+    """HF directory holding the weights after `step`."""
+    metrics: dict[str, float]
+
+
+class MailboxClient:
+    """Orchestrator side: submit batches, wait for weight updates, stop the learner."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        process: Any = None,
+        heartbeat_timeout_s: float = 120.0,
+        poll_s: float = 0.2,
+    ):
+        """`process`: the learner's Popen (or anything with `poll()`), when this side launched it."""
+        self.paths = MailboxPaths(Path(run_dir))
+        self.paths.mailbox.mkdir(parents=True, exist_ok=True)
+        self.process = process
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.poll_s = poll_s
+
+    def submit(self, step: int, records: Iterable[EpisodeRecord], *, data_position: Any = None) -> Path:
+        """Write step's batch, then its batch.ready marker. Re-submitting a ready step is a no-op."""
+        d = self.paths.step_dir(step)
+        if self.paths.ready(step).exists():
+            return d
+        d.mkdir(parents=True, exist_ok=True)
+        recs = list(records)
+        atomic_write_text(self.paths.batch(step), "".join(r.model_dump_json() + "\n" for r in recs))
+        atomic_write_json(self.paths.ready(step), {"step": step, "num_records": len(recs),
+                                                   "data_position": data_position, "time": time.time()})
+        return d
+
+    def stop(self) -> None:
+        atomic_write_text(self.paths.stop, str(time.time()))
+
+    def learner_info(self) -> dict[str, Any] | None:
+        return _read_json(self.paths.learner_info)
+
+    def check_alive(self) -> None:
+        """Raise LearnerDiedError if the learner process exited or its heartbeat is stale."""
+        if self.process is not None:
+            rc = self.process.poll()
+            if rc is not None:
+                raise LearnerDiedError(f"learner process exited with code {rc}")
+            return
+        info = self.learner_info()
+        if info is None:
+            return  # not started yet: the caller's timeout covers this
+        if info.get("status") == "failed":
+            raise LearnerDiedError(f"learner reported failure: {info.get('error', '?')}")
+        age = time.time() - float(info.get("heartbeat", 0.0))
+        if info.get("status") != "stopped" and age > self.heartbeat_timeout_s:
+            raise LearnerDiedError(f"learner heartbeat is {age:.0f}s old (pid {info.get('pid')} on {info.get('host')})")
+
+    def wait_ready(self, timeout_s: float, *, since: float | None = None) -> dict[str, Any]:
+        """Wait until the learner (started after `since`, if given) has loaded and reports ready.
+
+        Returns learner.json: `next_step` is the first step it will train, `data_position` the
+        position stored in the checkpoint it resumed from (None on a fresh start).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.learner_info()
+            fresh = info is not None and (since is None or info.get("started", 0) >= since)
+            if fresh and info.get("status") in ("ready", "training"):
+                return info
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise MailboxTimeout(f"learner not ready after {timeout_s}s (learner.json: {info})")
+            time.sleep(self.poll_s)
+
+    def wait_update(self, step: int, timeout_s: float) -> UpdateResult:
+        """Wait for step's update.done; raise LearnerFailedError / LearnerDiedError / MailboxTimeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = _read_json(self.paths.done(step))
+            if done is not None:
+                return UpdateResult(step=step, weights_dir=Path(done["weights_dir"]), metrics=done.get("metrics", {}))
+            failed = _read_json(self.paths.failed(step))
+            if failed is not None:
+                raise LearnerFailedError(f"learner failed step {step}: {failed.get('error')}",
+                                         step=step, traceback=failed.get("traceback", ""))
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise MailboxTimeout(f"no update for step {step} after {timeout_s}s")
+            time.sleep(self.poll_s)
+
+
+class LearnerMailbox:
+    """Learner rank 0 side: heartbeat, batch polling, results."""
+
+    def __init__(self, run_dir: str | Path, *, heartbeat_s: float = 5.0, started: float | None = None):
+        """`started`: when this learner process started (default now); a STOP file older than
+        that was meant for an earlier learner and is removed."""
+        self.paths = MailboxPaths(Path(run_dir))
+        self.paths.mailbox.mkdir(parents=True, exist_ok=True)
+        self.paths.weights_root.mkdir(parents=True, exist_ok=True)
+        self.heartbeat_s = heartbeat_s
+        started = time.time() if started is None else started
+        self._info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(),
+                                      "started": started, "status": "loading"}
+        try:
+            if self.paths.stop.stat().st_mtime < started:
+                self.paths.stop.unlink()
+        except FileNotFoundError:
+            pass
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # heartbeat -------------------------------------------------------------------------------
+    def update_info(self, **fields: Any) -> None:
+        with self._lock:
+            self._info.update(fields)
+            self._info["heartbeat"] = time.time()
+            atomic_write_json(self.paths.learner_info, self._info)
+
+    def start_heartbeat(self) -> None:
+        self.update_info()
+        self._thread = threading.Thread(target=self._beat, name="learner-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            self.update_info()
+
+    def close(self, status: str = "stopped", **fields: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat_s + 5)
+        self.update_info(status=status, **fields)
+
+    # protocol --------------------------------------------------------------------------------
+    def stop_requested(self) -> bool:
+        return self.paths.stop.exists()
+
+    def batch_ready(self, step: int) -> bool:
+        return self.paths.ready(step).exists()
+
+    def read_batch(self, step: int) -> tuple[list[EpisodeRecord], dict[str, Any]]:
+        meta = _read_json(self.paths.ready(step)) or {}
+        records = list(read_records(self.paths.batch(step)))
+        if "num_records" in meta and meta["num_records"] != len(records):
+            raise MailboxError(f"step {step}: batch.ready says {meta['num_records']} records, "
+                               f"batch.jsonl has {len(records)}")
+        return records, meta
+
+    def write_done(self, step: int, weights_dir: Path, metrics: dict[str, float]) -> None:
+        self.paths.step_dir(step).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.paths.done(step), {"step": step, "weights_dir": str(weights_dir),
+                                                  "metrics": metrics, "time": time.time()})
+
+    def write_failed(self, step: int, exc: BaseException) -> None:
+        self.paths.step_dir(step).mkdir(parents=True, exist_ok=True)
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        atomic_write_json(self.paths.failed(step), {"step": step, "error": f"{type(exc).__name__}: {exc}",
+                                                    "traceback": tb, "time": time.time()})
+
+    def clear_after(self, step: int) -> None:
+        """Forget results of steps > step (after resuming from a checkpoint of `step`)."""
+        for d in self.paths.mailbox.glob("step-*"):
+            try:
+                s = int(d.name.split("-", 1)[1])
+            except ValueError:
+                continue
+            if s > step:
+                for name in ("update.done", "update.failed"):
+                    (d / name).unlink(missing_ok=True)
+        for d in self.paths.weights_root.glob("step-*"):
+            try:
+                s = int(d.name.split("-", 1)[1])
+            except ValueError:
+                continue
+            if s > step:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def prune_weights(self, keep: int | None) -> None:
+        """Delete all but the newest `keep` weights/step-N directories."""
+        if keep is None:
+            return
+        dirs = sorted((d for d in self.paths.weights_root.glob("step-*") if d.name[5:].isdigit()),
+                      key=lambda d: int(d.name[5:]))
+        for d in dirs[:-keep]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+__all__ = [
+    "LearnerDiedError",
+    "LearnerFailedError",
+    "LearnerMailbox",
+    "MailboxClient",
+    "MailboxError",
+    "MailboxPaths",
+    "MailboxTimeout",
+    "UpdateResult",
+    "atomic_write_json",
+    "atomic_write_text",
+]
