@@ -1,7 +1,10 @@
 """The `agentloop` command line.
 
     agentloop rollout [--config F] [--server-url URL]... [--model DIR] [--loop NAME] [--plugin P]... [key.sub=value]...
+    agentloop train [--config F] [same flags]   GRPO (embedded default: agentloop/presets/train_tiny.yaml)
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
+    agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
+    agentloop trace RECORDS.jsonl [--out FILE.html] [--limit N] [--model DIR]   episodes as an HTML page
     agentloop build-model          build (or find) the cached tiny model and print its directory
     agentloop loops                list registered agent loops (plugins included)
     agentloop config [...]         print the resolved config without running anything
@@ -55,10 +58,18 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+TRAIN_PRESET = "presets/train_tiny.yaml"
+
+
 def build_config(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
     from agentloop.config import load_config
 
-    cfg = load_config(args.config, list(args.overrides) + _flag_overrides(args))
+    config = args.config
+    if config is None and args.command == "train":
+        config = Path(__file__).parent / TRAIN_PRESET  # the embedded default run
+    cfg = load_config(config, list(args.overrides) + _flag_overrides(args))
     if args.plugin:
         cfg.plugins = list(cfg.plugins) + list(args.plugin)
     return cfg
@@ -70,6 +81,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="eval-only rollouts: run the loop on a data set, write records + summary")
     _common(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    t = sub.add_parser("train", help="GRPO training: rollouts -> FSDP learner -> weight push, step after step")
+    _common(t)
+    t.add_argument("--quiet", action="store_true")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     br = bsub.add_parser("rollout", help="engine vs bare aiohttp client, same requests, same server")
@@ -82,7 +96,19 @@ def make_parser() -> argparse.ArgumentParser:
     br.add_argument("--bench-episodes", type=int, default=2000,
                     help="concurrent episodes for the capacity test (0 skips it)")
     br.add_argument("--out", help="write the report JSON here")
+    bt = bsub.add_parser("tools", help="tool loop vs single-turn loop on the same prompts: episodes/s, tok/s, "
+                                       "share of time in tools and generation")
+    _common(bt)
+    bt.add_argument("--bench-sets", default="calculator,code", help="comma-separated built-in sets")
+    bt.add_argument("--bench-prompts", type=int, default=16, help="prompts per set")
+    bt.add_argument("--bench-samples", type=int, default=2, help="episodes per prompt")
+    bt.add_argument("--out", help="also write the report JSON here")
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
+    tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")
+    tp.add_argument("records", metavar="RECORDS.jsonl")
+    tp.add_argument("--out", metavar="FILE.html", help="default: RECORDS.html next to the records")
+    tp.add_argument("--limit", type=int, default=20, metavar="N", help="first N episodes by (index, repeat); 0 = all")
+    tp.add_argument("--model", metavar="DIR", help="tokenizer/model dir (default: the run's config.yaml model.path)")
     lp = sub.add_parser("loops", help="list registered agent loops")
     lp.add_argument("--plugin", action="append", default=[])
     cp = sub.add_parser("config", help="print the resolved config")
@@ -115,6 +141,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             load_plugin(ref)
         print("\n".join(list_agent_loops()))
         return 0
+    if args.command == "trace":
+        from agentloop.trace_html import write_trace_html
+
+        out = write_trace_html(args.records, args.out, limit=args.limit or None, model_dir=args.model)
+        print(f"agentloop trace: wrote {out}")
+        return 0
     cfg = build_config(args)
     if args.command == "config":
         from agentloop.config import dump_config
@@ -133,10 +165,27 @@ def _dispatch(args: argparse.Namespace) -> int:
                   f"{len(result.records)} records kept in {run_dir / 'records.jsonl'}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "train":
+        from agentloop.train.orchestrator import run_train
+
+        run_dir, final = run_train(cfg)
+        m = final.get("metrics", {})
+        print(f"agentloop train: done, run dir {run_dir}")
+        for k in ("train/reward", "train/accuracy", "train/tool_call_rate", "val/reward", "val/accuracy"):
+            if k in m:
+                print(f"  {k:<24} {m[k]:.4g}")
+        print(f"  reward curve: {final['curves']}\n  checkpoint:   {final.get('checkpoint')}\n"
+              f"  weights:      {final.get('last_weights')}")
+        return 0
     if args.command == "bench" and args.bench == "rollout":
         from agentloop.bench import run_bench_rollout
 
         run_bench_rollout(cfg, args)
+        return 0
+    if args.command == "bench" and args.bench == "tools":
+        from agentloop.bench_tools import run_bench_tools
+
+        run_bench_tools(cfg, args)
         return 0
     raise ConfigError(f"unknown command {args.command!r}")
 

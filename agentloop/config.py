@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentloop.errors import ConfigError
 from agentloop.tools.config import ToolsConfig
+from agentloop.train.config import AlgoConfig, LearnerConfig
 
 
 class Section(BaseModel):
@@ -115,7 +116,7 @@ class SamplingConfig(Section):
     """Top-k sampling; -1 disables it."""
     min_p: float = Field(default=0.0, ge=0, le=1)
     """Min-p sampling threshold; 0 disables it."""
-    max_new_tokens: int = Field(default=128, ge=1)
+    max_new_tokens: int = Field(default=64, ge=1)
     """Max tokens generated per episode (single-turn) or per call."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the server checks them; the returned ids are still exact)."""
@@ -158,6 +159,40 @@ class RewardConfig(Section):
     """Registered reward used for data sources that have no reward of their own (None: error)."""
 
 
+class TrainConfig(Section):
+    steps: int = Field(default=20, ge=1)
+    """RL steps (rollout -> learner update -> weight push) to run."""
+    prompts_per_step: int = Field(default=16, ge=1)
+    """Prompts per step; each is rolled out `rollout.n_samples` times (the GRPO group)."""
+    data_path: str | None = None
+    """Training rows (JSONL/Parquet, verl format). None: the built-in set `builtin`."""
+    builtin: str = "calculator_train"
+    """Built-in training set used when `data_path` is None."""
+    val_path: str | None = None
+    """Validation rows. None: the built-in set `val_builtin`."""
+    val_builtin: str = "calculator"
+    """Built-in validation set used when `val_path` is None."""
+    val_every: int = Field(default=5, ge=0)
+    """Validate every N steps (and after the last step); 0 disables validation."""
+    val_max_samples: int | None = Field(default=32, ge=1)
+    """Validation prompts used (one episode each)."""
+    warm_start: bool = True
+    """With the built-in tiny model (model.path null), start from its supervised warm start on
+    synthetic calculator traces (built once, cached) so RL has something to improve."""
+    sync: Literal["disk"] = "disk"
+    """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk."""
+    pause_mode: Literal["abort", "in_place", "retract"] = "in_place"
+    """How servers treat in-flight requests while weights change (none are in flight in synchronous training)."""
+    learner_ready_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline for the learner process to load its model and report ready."""
+    update_timeout_s: float = Field(default=3600.0, gt=0)
+    """Deadline for one learner update (from batch submitted to weights saved)."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files (when the tensorboard package is installed)."""
+    resume: bool = True
+    """Continue from the learner's last checkpoint in run_dir when there is one."""
+
+
 class Config(Section):
     name: str = "agentloop"
     """Run name; the run directory is `<runs_dir>/<name>-<timestamp>`."""
@@ -183,6 +218,12 @@ class Config(Section):
     """Reward selection."""
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     """Tools, tool-call parsing and the tool loop's limits."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The RL loop (`agentloop train`)."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """What the learner optimises (advantages, PPO loss, KL, entropy)."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """How the learner runs (optimizer, schedule, micro-batches, ranks, checkpoints)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

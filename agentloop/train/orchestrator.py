@@ -1,0 +1,344 @@
+"""`agentloop train`: rollouts -> learner update -> weight push, step after step.
+
+Map:
+    train_async        the whole run on one event loop: servers, learner process, the step loop
+    LearnerProcess     the learner ranks as a child process group (torchrun for nproc > 1), its log,
+                       and a bounded shutdown
+    DataCursor         deterministic, resumable order of training prompts (epoch-shuffled)
+    StepLog            metrics.jsonl + TensorBoard + progress lines + the reward-curve page
+
+Synchronous on-policy schedule: every episode of step N is sampled with the weights of step
+N-1; the servers get the new weights (pause -> /update_weights_from_disk -> flush -> resume)
+before step N+1's rollouts start, and each record's `weight_versions` says so.
+
+Resume: the learner resumes from its last checkpoint and reports `next_step` and the data
+position stored with it; the servers load that step's weights before rolling out again.
+Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers are stopped by
+`serving`, and the last checkpoint stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agentloop.config import Config, DataConfig, dump_config
+from agentloop.data import load_samples
+from agentloop.engine import RolloutEngine, Scorer
+from agentloop.errors import AgentLoopError, ConfigError
+from agentloop.loops import get_agent_loop
+from agentloop.plots import write_curves_html
+from agentloop.records import EpisodeRecord
+from agentloop.rundir import RecordWriter, make_run_dir, write_json
+from agentloop.runtime import load_tokenizer_for, run_async, serving
+from agentloop.sample import Sample
+
+
+class TrainingError(AgentLoopError):
+    """The training run cannot go on (learner died, servers gone, ...)."""
+
+
+# ---------------------------------------------------------------------------- data order
+
+
+class DataCursor:
+    """Prompts in a per-epoch shuffled order; `position` counts prompts consumed (resumable)."""
+
+    def __init__(self, samples: list[Sample], seed: int, position: int = 0):
+        if not samples:
+            raise ConfigError("the training set is empty")
+        self.samples = samples
+        self.seed = seed
+        self.position = position
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.samples)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Sample]:
+        out = []
+        for _ in range(n):
+            epoch, k = divmod(self.position, len(self.samples))
+            out.append(self.samples[self._order(epoch)[k]])
+            self.position += 1
+        return out
+
+
+def _data(path: str | None, builtin: str, max_samples: int | None = None) -> list[Sample]:
+    return load_samples(DataConfig(path=path, builtin=builtin, max_samples=max_samples))
+
+
+# ---------------------------------------------------------------------------- learner process
+
+
+class LearnerProcess:
+    """The learner ranks as one child process group, with its output in run_dir/learner.log."""
+
+    def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
+        from agentloop.train.learner import learner_command
+
+        self.cmd = learner_command(run_dir, model_path, nproc=cfg.learner.nproc, config=run_dir / "config.yaml",
+                                   resume=cfg.train.resume)
+        self.log_path = run_dir / "learner.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        env["PYTHONUNBUFFERED"] = "1"
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+        return self.proc
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                return self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.poll()
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, float]:
+    ok = [r for r in records if r.error is None and r.reward is not None]
+    n = max(1, len(ok))
+    m: dict[str, float] = {
+        f"{prefix}/reward": sum(r.reward for r in ok) / n if ok else 0.0,
+        f"{prefix}/accuracy": sum(r.reward >= 1.0 - 1e-9 for r in ok) / n if ok else 0.0,
+        f"{prefix}/errors": float(sum(r.error is not None for r in records)),
+        f"{prefix}/episodes": float(len(records)),
+        f"{prefix}/response_tokens": sum(len(r.response_ids) for r in records) / max(1, len(records)),
+        f"{prefix}/model_tokens": sum(r.num_model_tokens for r in records) / max(1, len(records)),
+        f"{prefix}/turns": sum(r.num_turns for r in records) / max(1, len(records)),
+    }
+    if any("tool_calls" in r.metrics for r in records):
+        m[f"{prefix}/tool_call_rate"] = sum(r.metrics.get("tool_calls", 0) > 0 for r in records) / max(1, len(records))
+        m[f"{prefix}/tool_calls"] = sum(r.metrics.get("tool_calls", 0) for r in records) / max(1, len(records))
+    return m
+
+
+class StepLog:
+    """metrics.jsonl (one line per step), optional TensorBoard, progress lines, reward curves."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self.rows: list[dict[str, float]] = []
+        if self.path.exists():  # resumed run: keep earlier steps for the curve
+            self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        self.tb = None
+        if cfg.train.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def log(self, row: dict[str, float]) -> None:
+        self.rows = [r for r in self.rows if r.get("step") != row["step"]] + [row]
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, int(row["step"]))
+            self.tb.flush()
+
+    def curves(self) -> Path:
+        def series(key: str) -> list[tuple[float, float]]:
+            return [(r["step"], r[key]) for r in self.rows if key in r]
+
+        charts = [("reward", {"train reward": series("train/reward"), "val reward": series("val/reward")}),
+                  ("accuracy", {"train": series("train/accuracy"), "val": series("val/accuracy")})]
+        if any("train/tool_call_rate" in r for r in self.rows):
+            charts.append(("tool-call rate", {"train": series("train/tool_call_rate"),
+                                              "val": series("val/tool_call_rate")}))
+        charts.append(("KL / entropy", {k: series(k) for k in ("learner/kl", "learner/entropy") if series(k)}))
+        charts.append(("response tokens", {"train": series("train/response_tokens")}))
+        return write_curves_html(self.run_dir / "curves.html", "agentloop train", charts, str(self.run_dir))
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(row: dict[str, float], keys: list[str]) -> str:
+    parts = []
+    for k in keys:
+        if k in row:
+            parts.append(f"{k.split('/', 1)[-1]} {row[k]:.3g}")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def resolve_train_model(cfg: Config) -> Path:
+    if cfg.model.path:
+        from agentloop.runtime import resolve_model
+
+        return resolve_model(cfg)
+    if cfg.train.warm_start:
+        from agentloop.warmstart import ensure_warm_model
+
+        print("agentloop train: building (once, cached) the warm-started tiny model ...", file=sys.stderr, flush=True)
+        return ensure_warm_model()
+    from agentloop.modelzoo import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+async def _push_weights(sm: Any, cfg: Config, weights_dir: Path, version: str) -> float:
+    t0 = time.monotonic()
+    await sm.pause(mode=cfg.train.pause_mode)
+    try:
+        await sm.update_weights_from_disk(str(weights_dir), weight_version=version)
+        await sm.flush_cache()
+    finally:
+        await sm.resume()
+    return time.monotonic() - t0
+
+
+async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from agentloop.train.mailbox import MailboxClient
+
+    loop_cls = get_agent_loop(cfg.rollout.loop)
+    train_samples = _data(cfg.train.data_path, cfg.train.builtin)
+    val_samples = _data(cfg.train.val_path, cfg.train.val_builtin, cfg.train.val_max_samples) \
+        if cfg.train.val_every else []
+    scorer = Scorer(cfg)
+    model_path = resolve_train_model(cfg)
+    tokenizer = load_tokenizer_for(cfg, model_path)
+    log = StepLog(cfg, run_dir)
+    learner = LearnerProcess(cfg, run_dir, model_path)
+    t_start = time.time()
+    proc = learner.start()
+    client = MailboxClient(run_dir, process=proc)
+    final: dict[str, Any] = {"run_dir": str(run_dir), "model": str(model_path)}
+    print(f"agentloop train: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x "
+          f"{cfg.rollout.n_samples} samples, loop {cfg.rollout.loop}, model {model_path}\n"
+          f"  run dir {run_dir} (learner log: {learner.log_path})", file=sys.stderr, flush=True)
+    try:
+        async with serving(cfg, model_path, run_dir) as sm:
+            try:
+                info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
+            except AgentLoopError as e:
+                raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
+            first = int(info.get("next_step") or 1)
+            cursor = DataCursor(train_samples, cfg.rollout.seed, int(info.get("data_position") or 0))
+            if first > 1:
+                prev = client.paths.weights(first - 1)
+                if prev.is_dir():
+                    await _push_weights(sm, cfg, prev, str(first - 1))
+                print(f"agentloop train: resumed at step {first} (data position {cursor.position})",
+                      file=sys.stderr, flush=True)
+            engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
+            if first == 1 and val_samples:
+                row = {"step": 0.0, **await _validate(engine, val_samples, 0, run_dir)}
+                log.log(row)
+                print(f"step 0/{cfg.train.steps} | " + _fmt(row, ["val/reward", "val/accuracy", "val/tool_call_rate"]),
+                      file=sys.stderr, flush=True)
+            for step in range(first, cfg.train.steps + 1):
+                t0 = time.monotonic()
+                batch = cursor.take(cfg.train.prompts_per_step)
+                rollouts = run_dir / "rollouts"
+                rollouts.mkdir(exist_ok=True)
+                with RecordWriter(rollouts / f"step-{step:06d}.jsonl") as writer:
+                    res = await engine.run(batch, step=step, on_record=writer)
+                if res.stopped:
+                    raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
+                t_roll = time.monotonic() - t0
+                usable = [r for r in res.records if r.error is None]
+                if not usable:
+                    raise TrainingError(f"step {step}: every episode failed; first error: {res.records[0].error}")
+                client.submit(step, usable, data_position=cursor.position)
+                t1 = time.monotonic()
+                try:
+                    upd = await asyncio.to_thread(client.wait_update, step, cfg.train.update_timeout_s)
+                except AgentLoopError as e:
+                    raise TrainingError(f"learner failed at step {step}: {e}\n--- learner.log tail ---\n"
+                                        f"{learner.log_tail()}") from e
+                t_learn = time.monotonic() - t1
+                t_sync = await _push_weights(sm, cfg, upd.weights_dir, str(step))
+                row: dict[str, Any] = {"step": float(step), **rollout_metrics(res.records, "train")}
+                row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
+                row.update({"time/rollout_s": t_roll, "time/learner_s": t_learn, "time/sync_s": t_sync,
+                            "time/step_s": time.monotonic() - t0,
+                            "rollout/tokens_per_s": res.summary.get("tokens_per_s", 0.0)})
+                if cfg.train.val_every and val_samples and (step % cfg.train.val_every == 0
+                                                            or step == cfg.train.steps):
+                    row.update(await _validate(engine, val_samples, step, run_dir))
+                log.log(row)
+                log.curves()
+                bar = "#" * int(24 * step / cfg.train.steps)
+                print(f"[{bar:<24}] step {step}/{cfg.train.steps} | "
+                      + _fmt(row, ["train/reward", "train/accuracy", "train/tool_call_rate", "learner/kl",
+                                   "learner/entropy", "train/response_tokens", "val/reward", "val/accuracy"])
+                      + f" | rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s",
+                      file=sys.stderr, flush=True)
+                final["last_weights"] = str(upd.weights_dir)
+            client.stop()
+    finally:
+        if proc.poll() is None:
+            client.stop()
+        rc = learner.stop()
+        log.close()
+        final["learner_exit"] = rc
+    final["curves"] = str(log.curves())
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
+    final["checkpoint"] = str(ckpts[-1]) if ckpts else None
+    final["metrics"] = log.rows[-1] if log.rows else {}
+    write_json(run_dir / "train_summary.json", final)
+    return final
+
+
+async def _validate(engine: RolloutEngine, samples: list[Sample], step: int, run_dir: Path) -> dict[str, float]:
+    vdir = run_dir / "validation"
+    vdir.mkdir(exist_ok=True)
+    with RecordWriter(vdir / f"step-{step:06d}.jsonl") as writer:
+        res = await engine.run(samples, n_samples=1, step=step, on_record=writer)
+    return rollout_metrics(res.records, "val")
+
+
+def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
+    from agentloop.evaluate import load_plugins
+
+    load_plugins(cfg)
+    if cfg.learner.checkpoint_every is None:
+        cfg.learner.checkpoint_every = max(1, min(10, cfg.train.steps // 4 or 1))
+    if cfg.learner.total_steps is None:
+        cfg.learner.total_steps = cfg.train.steps
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return run_dir, run_async(train_async(cfg, run_dir))
