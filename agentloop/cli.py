@@ -102,6 +102,8 @@ def make_parser() -> argparse.ArgumentParser:
     bt.add_argument("--bench-sets", default="calculator,code", help="comma-separated built-in sets")
     bt.add_argument("--bench-prompts", type=int, default=16, help="prompts per set")
     bt.add_argument("--bench-samples", type=int, default=2, help="episodes per prompt")
+    bt.add_argument("--bench-force-tools", action="store_true",
+                    help="read every turn as a tool call (measures the tool path with a model that never calls)")
     bt.add_argument("--out", help="also write the report JSON here")
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
     tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")

@@ -26,6 +26,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentloop.errors import ConfigError
+from agentloop.rewards.code import CodeRewardConfig
+from agentloop.rewards.tool_aware import ToolRewardConfig
 from agentloop.tools.config import ToolsConfig
 from agentloop.train.config import AlgoConfig, LearnerConfig
 
@@ -157,6 +159,10 @@ class RewardConfig(Section):
     """`path/to/file.py:function` or `package.module:function` scoring every episode instead of the registry."""
     default: str | None = None
     """Registered reward used for data sources that have no reward of their own (None: error)."""
+    code: CodeRewardConfig = Field(default_factory=CodeRewardConfig)
+    """Code reward (agentloop/code): pass_rate or all_or_nothing, time limits."""
+    tools: ToolRewardConfig = Field(default_factory=ToolRewardConfig)
+    """How tool_agent_loop's excess-call penalty and tool rewards enter the reward."""
 
 
 class TrainConfig(Section):
@@ -176,13 +182,15 @@ class TrainConfig(Section):
     """Validate every N steps (and after the last step); 0 disables validation."""
     val_max_samples: int | None = Field(default=32, ge=1)
     """Validation prompts used (one episode each)."""
-    warm_start: bool = True
+    warm_start: bool = False
     """With the built-in tiny model (model.path null), start from its supervised warm start on
-    synthetic calculator traces (built once, cached) so RL has something to improve."""
+    synthetic calculator traces (built once, cached) so RL has something to improve. The build
+    needs ~190k traces to learn copying tool results: ~95 s on a GPU, hours on 2 CPU cores."""
     sync: Literal["disk"] = "disk"
     """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk."""
-    pause_mode: Literal["abort", "in_place", "retract"] = "in_place"
-    """How servers treat in-flight requests while weights change (none are in flight in synchronous training)."""
+    pause_mode: Literal["abort", "in_place", "retract"] = "retract"
+    """How servers treat in-flight requests while weights change: retract (requeued, recomputed with the
+    new weights), abort (returned as aborted), in_place (kept; SGLang then refuses to flush its cache)."""
     learner_ready_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline for the learner process to load its model and report ready."""
     update_timeout_s: float = Field(default=3600.0, gt=0)

@@ -28,6 +28,7 @@ from agentloop.errors import AllServersDownError, RewardError
 from agentloop.loops.base import AgentLoopBase
 from agentloop.looplag import LoopLagMonitor
 from agentloop.records import AgentLoopOutput, EpisodeRecord
+from agentloop.rewards.tool_aware import combine_tool_reward
 from agentloop.sample import Sample
 from agentloop.server_manager import ServerManager
 
@@ -39,15 +40,19 @@ class Scorer:
 
     def __init__(self, cfg: Config):
         from agentloop.rewards import load_custom_reward
+        from agentloop.rewards.code import make_code_reward
 
         self.cfg = cfg
         self.custom = load_custom_reward(cfg.reward.custom) if cfg.reward.custom else None
+        # Rewards that need run config (sandbox limits) are built here rather than registered globally.
+        self.overrides = {"agentloop/code": make_code_reward(cfg.reward.code, limits=cfg.tools.python)}
 
     async def score(self, sample: Sample, solution_str: str) -> tuple[float, dict[str, Any]]:
         from agentloop.rewards import get_reward, score_episode
         from agentloop.rewards.scoring import call_reward, normalize_reward
 
-        fn = self.custom or get_reward(sample.data_source, default=self.cfg.reward.default)
+        fn = (self.custom or self.overrides.get(sample.data_source)
+              or get_reward(sample.data_source, default=self.cfg.reward.default))
         if inspect.iscoroutinefunction(fn):
             try:
                 raw = await call_reward(fn, {"data_source": sample.data_source, "solution_str": solution_str,
@@ -219,6 +224,8 @@ class RolloutEngine:
         if error is None and reward is None:
             try:
                 reward, info = await self.scorer.score(sample, solution_text(out, self.tokenizer))
+                reward, tool_info = combine_tool_reward(reward, out.extra, self.cfg.reward.tools)
+                info = {**info, **tool_info}
             except RewardError as e:
                 error = f"RewardError: {e}"
             except Exception as e:  # noqa: BLE001

@@ -37,7 +37,18 @@ async def rollout_async(cfg: Config, run_dir: Path, progress: bool = True) -> Ro
     summary["run_dir"] = str(run_dir)
     summary["stopped"] = result.stopped
     write_json(run_dir / "summary.json", summary)
+    _write_traces(run_dir, result, tokenizer)
     return result
+
+
+def _write_traces(run_dir: Path, result: RolloutResult, tokenizer: Any) -> None:
+    """traces.html for the first records; a rendering failure is reported, never fails the finished run."""
+    from agentloop.trace_html import write_run_traces
+
+    try:
+        write_run_traces(run_dir, result.records, tokenizer)
+    except Exception as e:  # noqa: BLE001 - the records and summary are already on disk
+        print(f"agentloop rollout: could not write traces.html: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -201,6 +201,9 @@ class LocalServer:
             from agentloop.sglang_cpu import site_dir
 
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            # OpenMP threads that spin while idle starve every other process on a small CPU box
+            # (a learner, a second server, the engine itself): decode fell from ~700 to ~15 tok/s.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             package_root = str(Path(__file__).resolve().parent.parent)  # agentloop importable in children
             parts = [str(site_dir()), package_root]
             if env.get("PYTHONPATH"):

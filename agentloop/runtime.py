@@ -82,7 +82,11 @@ async def serving(cfg: Config, model_path: Path, run_dir: Path) -> AsyncIterator
         servers = await launch_servers(cfg.server, model_path, run_dir)
         urls = [s.url for s in servers]
     try:
-        async with ServerManager(urls, cfg.manager) as sm:
+        vocab = json.loads((model_path / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        vocab = None
+    try:
+        async with ServerManager(urls, cfg.manager, vocab_size=vocab) as sm:
             if cfg.server.urls:
                 await sm.wait_ready(timeout=cfg.server.startup_timeout_s)
             yield sm

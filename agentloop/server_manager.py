@@ -91,11 +91,14 @@ class ServerManager:
     Use as `async with ServerManager(urls, cfg) as sm:`; all methods must run on one event loop.
     """
 
-    def __init__(self, urls: list[str], config: ManagerConfig | None = None):
+    def __init__(self, urls: list[str], config: ManagerConfig | None = None, *, vocab_size: int | None = None):
+        """`vocab_size`: when known, prompts with ids outside [0, vocab_size) are rejected client-side
+        (SGLang 0.5.23 crashes its scheduler on such ids instead of answering 400)."""
         if not urls:
             raise ServerError("ServerManager needs at least one server url")
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = config or ManagerConfig()
+        self.vocab_size = vocab_size
         self.router = Router(self.urls, self.cfg.max_inflight_per_server, self.cfg.eject_after_failures,
                              sticky=self.cfg.sticky)
         self._session: aiohttp.ClientSession | None = None
@@ -152,6 +155,11 @@ class ServerManager:
         """Generate from `prompt_ids` on some server; the episode sticks to one server when it can."""
         if not prompt_ids:
             raise FatalRequestError("prompt_ids is empty")
+        if self.vocab_size is not None:
+            lo, hi = min(prompt_ids), max(prompt_ids)
+            if lo < 0 or hi >= self.vocab_size:
+                raise FatalRequestError(f"prompt_ids hold token id {lo if lo < 0 else hi} outside the "
+                                        f"vocabulary [0, {self.vocab_size})")
         if isinstance(sampling_params, SamplingParams):
             sp = sampling_params.to_sglang()
         else:

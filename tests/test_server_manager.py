@@ -313,3 +313,17 @@ def test_all_down_error_raised_by_generate():
                 await sm.generate("ep", prompt_ids=[1], sampling_params=sp())
 
     run(main())
+
+
+def test_out_of_vocab_ids_rejected_before_sending():
+    async def main():
+        (f,) = await start_fakes(1)
+        async with ServerManager([f.url], ManagerConfig(**FAST), vocab_size=100) as sm:
+            with pytest.raises(FatalRequestError, match="token id 100 outside the vocabulary"):
+                await sm.generate("ep", prompt_ids=[1, 100], sampling_params=sp())
+            with pytest.raises(FatalRequestError, match="empty"):
+                await sm.generate("ep", prompt_ids=[], sampling_params=sp())
+        await f.stop()
+        return f
+
+    assert run(main()).requests == []

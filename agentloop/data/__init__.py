@@ -6,6 +6,7 @@ returning verl rows and call `register_dataset("name", fn)`; select it with
 """
 
 from agentloop.data import tasks  # noqa: F401 - registers the calculator sets
+from agentloop.data import tool_demos  # noqa: F401 - registers the code and search_qa sets
 from agentloop.data.builtin import builtin_rows, get_dataset, list_datasets, register_dataset
 from agentloop.data.loader import (
     load_file,

@@ -8,11 +8,13 @@
       MATH-lighteval, math, boxed_math
     countdown                               countdown.compute_score (TinyZero)
     exact_match                             exact.compute_score
+    agentloop/code                          code.compute_score (async: tests in the python tool's sandbox)
+    agentloop/search_qa                     qa.compute_score (last <answer>...</answer>, SQuAD-normalized)
 """
 
 from __future__ import annotations
 
-from agentloop.rewards import boxed, countdown, exact, gsm8k
+from agentloop.rewards import boxed, code, countdown, exact, gsm8k, qa
 from agentloop.rewards.registry import register_reward
 from agentloop.rewards.scoring import RewardCallable
 
@@ -28,6 +30,8 @@ BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "boxed_math": boxed.compute_score,
     "countdown": countdown.compute_score,
     "exact_match": exact.compute_score,
+    "agentloop/code": code.compute_score,
+    "agentloop/search_qa": qa.compute_score,
 }
 
 

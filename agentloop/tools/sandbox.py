@@ -219,15 +219,21 @@ def _scrubbed_env(workdir: str) -> dict[str, str]:
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int, buf: bytearray, on_overflow) -> None:
+    overflowed = False
     while True:
         chunk = await stream.read(65536)
         if not chunk:
             return
+        if overflowed:
+            # Keep draining to EOF: a reader that stops leaves the transport paused, the pipe's EOF
+            # is never seen, and on Python 3.11 Process.wait() then waits forever.
+            continue
         room = cap - len(buf)
         if len(chunk) > room:
             buf.extend(chunk[:max(room, 0)])
+            overflowed = True
             on_overflow()
-            return
+            continue
         buf.extend(chunk)
 
 

@@ -93,7 +93,7 @@ class LearnerProcess:
 
     def start(self) -> subprocess.Popen:
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # don't spin on cores the servers need
         env["PYTHONUNBUFFERED"] = "1"
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -223,8 +223,8 @@ async def _push_weights(sm: Any, cfg: Config, weights_dir: Path, version: str) -
     t0 = time.monotonic()
     await sm.pause(mode=cfg.train.pause_mode)
     try:
+        # update_weights_from_disk flushes the prefix cache itself (cached KV of old weights is stale).
         await sm.update_weights_from_disk(str(weights_dir), weight_version=version)
-        await sm.flush_cache()
     finally:
         await sm.resume()
     return time.monotonic() - t0

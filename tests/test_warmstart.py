@@ -1,0 +1,155 @@
+"""The supervised warm start: traces, the assistant-only mask, the cached build, loadable output."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from agentloop.data.tasks import CALCULATOR_SYSTEM
+from agentloop.modelzoo import load_tokenizer
+from agentloop.tools.calculator import calculate, format_number
+from agentloop.tools.parsers import parse_hermes
+from agentloop.warmstart import (
+    WarmStartSpec,
+    _excluded_expressions,
+    build_traces,
+    calculator_schemas,
+    encode_conversation,
+    ensure_warm_model,
+    evaluate_tool_use,
+    warm_model_dir_for,
+)
+
+TINY = WarmStartSpec(n_traces=32, steps=20, batch_size=4, warmup_steps=2)
+"""A build small enough for the tests (about 10 s on 2 cores)."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path):
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def traces(tokenizer):
+    return build_traces(tokenizer, WarmStartSpec(n_traces=24, tool_fraction=0.5))
+
+
+@pytest.fixture(scope="module")
+def warm_dir(tmp_path_factory, tiny_model_path: Path) -> Path:
+    return ensure_warm_model(tmp_path_factory.mktemp("cache"), TINY, base_dir=tiny_model_path)
+
+
+def _spans(ids: list[int], mask: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i, (t, m) in enumerate(zip(ids, mask)):
+        if m and (i == 0 or not mask[i - 1]):
+            out.append([])
+        if m:
+            out[-1].append(t)
+    return out
+
+
+def test_traces_mix_and_render_like_the_template(tokenizer, traces) -> None:
+    assert sum(t.uses_tool for t in traces) == 12
+    schemas = calculator_schemas()
+    for t in traces:
+        assert t.messages[0] == {"role": "system", "content": CALCULATOR_SYSTEM}
+        assert len(t.ids) == len(t.mask)
+        full = tokenizer.apply_chat_template(t.messages, tools=schemas, tokenize=False)
+        # the turn-by-turn tokens spell the template's text (the last turn's trailing "\n" is not generated)
+        assert tokenizer.decode(t.ids, skip_special_tokens=False) + "\n" == full
+        assert "<tools>" in full and '"name": "calculator"' in full
+
+
+def test_mask_covers_exactly_the_assistant_turns(tokenizer, traces) -> None:
+    for t in traces:
+        spans = [tokenizer.decode(s, skip_special_tokens=False) for s in _spans(t.ids, t.mask)]
+        wanted = [m["content"] + tokenizer.eos_token for m in t.messages if m["role"] == "assistant"]
+        assert spans == wanted
+        # nothing of the system, user or tool text is trained on
+        unmasked = tokenizer.decode([i for i, m in zip(t.ids, t.mask) if not m], skip_special_tokens=False)
+        assert CALCULATOR_SYSTEM in unmasked and t.messages[1]["content"] in unmasked
+
+
+def test_tool_trace_is_parseable_and_uses_the_real_tool(traces) -> None:
+    tool_traces = [t for t in traces if t.uses_tool]
+    for t in tool_traces:
+        call_msg, tool_msg, final = t.messages[2], t.messages[3], t.messages[4]
+        parsed = parse_hermes(call_msg["content"])
+        assert not parsed.errors and len(parsed.calls) == 1
+        call = parsed.calls[0]
+        assert call.name == "calculator" and set(call.arguments) == {"expression"}
+        assert tool_msg["role"] == "tool" and tool_msg["content"] == format_number(calculate(call.arguments["expression"]))
+        assert int(tool_msg["content"]) == t.answer
+        assert final["content"] == f"#### {t.answer}"
+    direct = [t for t in traces if not t.uses_tool]
+    assert all(len(t.messages) == 3 and t.messages[2]["content"].startswith("#### ") for t in direct)
+    # estimates are plausible but mostly wrong
+    assert sum(t.messages[2]["content"] == f"#### {t.answer}" for t in direct) <= len(direct) // 3
+
+
+def test_trace_problems_avoid_the_eval_and_rl_sets(traces) -> None:
+    excluded = _excluded_expressions()
+    assert len(excluded) > 4000
+    assert not any(t.messages[1]["content"][len("What is "):-1] in excluded for t in traces)
+
+
+def test_encode_rejects_a_user_turn_after_the_assistant(tokenizer) -> None:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "A"}, {"role": "user", "content": "again"}]
+    with pytest.raises(ValueError, match="only tool"):
+        encode_conversation(tokenizer, msgs, calculator_schemas())
+
+
+def test_build_is_cached_and_loads(warm_dir: Path, tiny_model_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert warm_dir == warm_model_dir_for(TINY, tiny_model_path, warm_dir.parent.parent)
+    assert warm_dir.name.startswith("warm-")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "agentloop_warmstart.json"):
+        assert (warm_dir / name).is_file(), name
+    assert (warm_dir / "tokenizer.json").read_bytes() == (tiny_model_path / "tokenizer.json").read_bytes()
+    meta = json.loads((warm_dir / "agentloop_warmstart.json").read_text())
+    assert meta["spec"] == TINY.model_dump(mode="json") and meta["base_model"] == tiny_model_path.name
+    assert meta["loss"]["last"] < meta["loss"]["first"]
+
+    t0 = time.monotonic()
+    assert ensure_warm_model(warm_dir.parent.parent, TINY, base_dir=tiny_model_path) == warm_dir
+    assert time.monotonic() - t0 < 1.0
+
+    model = AutoModelForCausalLM.from_pretrained(str(warm_dir), dtype="auto")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype="auto")
+    assert next(model.parameters()).dtype == next(base.parameters()).dtype == torch.bfloat16
+    assert json.loads((warm_dir / "config.json").read_text())["vocab_size"] == base.config.vocab_size
+    tok = load_tokenizer(warm_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 * 34 + 5?"}], tools=calculator_schemas(),
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape[:2] == ids.shape and torch.isfinite(logits).all()
+    changed = any(not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters()))
+    assert changed
+
+
+def test_build_is_deterministic(tmp_path: Path, tiny_model_path: Path) -> None:
+    spec = WarmStartSpec(n_traces=8, steps=2, batch_size=2, warmup_steps=1)
+    a = ensure_warm_model(tmp_path / "a", spec, base_dir=tiny_model_path)
+    b = ensure_warm_model(tmp_path / "b", spec, base_dir=tiny_model_path)
+    assert a.name == b.name
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    other = spec.model_copy(update={"seed": spec.seed + 1})
+    assert warm_model_dir_for(other, tiny_model_path, tmp_path / "a") != a
+
+
+def test_evaluate_tool_use_runs(warm_dir: Path) -> None:
+    stats = evaluate_tool_use(warm_dir, n=4, temperature=1.0, max_new_tokens=12)
+    assert stats.n == 4
+    for v in (stats.tool_call_rate, stats.attempted_call_rate, stats.accuracy, stats.right_expression_rate):
+        assert 0.0 <= v <= 1.0
+    assert stats.tool_call_rate <= stats.attempted_call_rate
+    assert len(stats.examples) == 4
