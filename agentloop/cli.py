@@ -162,6 +162,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"agentloop rollout: done, run dir {run_dir}")
         print(format_summary({**result.summary}))
         print(f"  records: {run_dir / 'records.jsonl'}  summary: {run_dir / 'summary.json'}")
+        if (run_dir / "traces.html").exists():
+            print(f"  traces:  {run_dir / 'traces.html'} (tokens shaded by mask and logprob)")
         if result.stopped:
             print(f"agentloop: the run stopped early: {result.stopped}; "
                   f"{len(result.records)} records kept in {run_dir / 'records.jsonl'}", file=sys.stderr)
