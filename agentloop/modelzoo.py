@@ -19,17 +19,16 @@ files. Changing anything that changes the files must bump CODE_VERSION.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from agentloop.cache import build_once
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -174,31 +173,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, spec: TinyModelSpec |
     complete directory.
     """
     spec = spec or TinyModelSpec()
-    target = model_dir_for(spec, cache_dir)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            if (target / "config.json").is_file():
-                return target
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            try:
-                _build(spec, tmp)
-                for f in tmp.iterdir():
-                    f.chmod(0o644)
-                tmp.chmod(0o755)  # mkdtemp makes it 0700
-                if target.exists():  # a broken leftover (no config.json): replace it
-                    shutil.rmtree(target)
-                os.rename(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    return target
+    return build_once(model_dir_for(spec, cache_dir), lambda tmp: _build(spec, tmp))
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -63,22 +63,20 @@ message and tool list) is run once per step with batch 1 and its KV cache repeat
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import json
 import logging
 import math
-import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentloop.cache import build_once
 from agentloop.data.builtin import _Lcg
 from agentloop.data.tasks import CALCULATOR_SOURCE, CALCULATOR_SYSTEM, CalcProblem, calculator_problem, calculator_rows
 from agentloop.modelzoo import default_cache_dir, ensure_tiny_model, load_tokenizer
@@ -464,30 +462,7 @@ def ensure_warm_model(cache_dir: str | Path | None = None, spec: WarmStartSpec |
     """
     spec = spec or WarmStartSpec()
     base = Path(base_dir) if base_dir is not None else ensure_tiny_model(cache_dir)
-    target = warm_model_dir_for(spec, base, cache_dir)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            if (target / "config.json").is_file():
-                return target
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            try:
-                _build(spec, base, tmp)
-                for f in tmp.iterdir():
-                    f.chmod(0o644)
-                tmp.chmod(0o755)  # mkdtemp makes it 0700
-                if target.exists():  # a broken leftover (no config.json): replace it
-                    shutil.rmtree(target)
-                os.rename(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    return target
+    return build_once(warm_model_dir_for(spec, base, cache_dir), lambda tmp: _build(spec, base, tmp))
 
 
 def _quiet_hf():

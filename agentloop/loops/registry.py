@@ -11,12 +11,11 @@ Plugins are found three ways:
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar, overload
 
+from agentloop.cache import import_python_file
 from agentloop.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -104,18 +103,9 @@ def load_plugin(ref: str) -> None:
     if ref.endswith(".py") or path.is_file():
         if not path.is_file():
             raise ConfigError(f"plugin file {ref!r} does not exist")
-        mod_name = f"agentloop_plugin_{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}"
-        if mod_name in sys.modules:
-            return
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"plugin file {ref!r} cannot be imported")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
         try:
-            spec.loader.exec_module(module)
+            import_python_file(path, "agentloop_plugin")
         except Exception as e:
-            del sys.modules[mod_name]
             raise ConfigError(f"plugin file {ref!r} failed to import: {type(e).__name__}: {e}") from e
         return
     try:

@@ -9,12 +9,10 @@ The built-in rewards are registered when `agentloop.rewards` is imported.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
-import sys
 from pathlib import Path
 
+from agentloop.cache import import_python_file
 from agentloop.errors import RewardError
 from agentloop.rewards.scoring import RewardCallable
 
@@ -65,22 +63,12 @@ def _describe(fn: RewardCallable) -> str:
 
 
 def _import_file(path: Path, ref: str):
-    resolved = path.resolve()
-    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:10]
-    mod_name = f"agentloop_reward_{path.stem}_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, resolved)
-    if spec is None or spec.loader is None:
-        raise RewardError(f"custom reward {ref!r}: {str(path)!r} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
     try:
-        spec.loader.exec_module(module)
+        return import_python_file(path, "agentloop_reward")
+    except ImportError as e:
+        raise RewardError(f"custom reward {ref!r}: {e}") from None
     except Exception as e:
-        del sys.modules[mod_name]
         raise RewardError(f"custom reward {ref!r}: importing {str(path)!r} failed: {type(e).__name__}: {e}") from e
-    return module
 
 
 def load_custom_reward(ref: str) -> RewardCallable:
