@@ -149,16 +149,22 @@ async def bench_async(cfg: Config, args: argparse.Namespace, run_dir: Path) -> d
     return report
 
 
-def run_bench_rollout(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+def run_bench(cfg: Config, args: argparse.Namespace, name: str, bench: Any) -> tuple[Path, dict[str, Any]]:
+    """Plugins, a run dir named `bench-<name>`, the async `bench(cfg, args, run_dir)`, its JSON report saved."""
     from agentloop.evaluate import load_plugins
 
     load_plugins(cfg)
-    cfg = cfg.model_copy(update={"name": "bench-rollout"})
+    cfg = cfg.model_copy(update={"name": f"bench-{name}"})
     run_dir = make_run_dir(cfg)
-    report = run_async(bench_async(cfg, args, run_dir))
-    write_json(run_dir / "bench_rollout.json", report)
+    report = run_async(bench(cfg, args, run_dir))
+    write_json(run_dir / f"bench_{name}.json", report)
     if args.out:
         write_json(Path(args.out), report)
+    return run_dir, report
+
+
+def run_bench_rollout(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir, report = run_bench(cfg, args, "rollout", bench_async)
     print(f"bench rollout ({report['requests_per_side']} requests/side, concurrency {report['concurrency']}, "
           f"{report['new_tokens']} new tokens, {len(report['rounds'])} rounds)")
     print(f"  bare aiohttp client   {report['bare_tok_s']:,.0f} tok/s")

@@ -36,8 +36,8 @@ from agentloop.engine import RolloutEngine
 from agentloop.loops import get_agent_loop
 from agentloop.loops.single_turn import SingleTurnAgentLoop
 from agentloop.records import AgentLoopOutput, EpisodeRecord, TokenOutput
-from agentloop.rundir import RecordWriter, make_run_dir, write_json
-from agentloop.runtime import load_tokenizer_for, resolve_model, run_async, serving
+from agentloop.rundir import RecordWriter
+from agentloop.runtime import load_tokenizer_for, resolve_model, serving
 from agentloop.sample import Sample
 from agentloop.tools.parsers import ParseResult, ToolCall, register_parser
 
@@ -162,15 +162,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run_bench_tools(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
-    from agentloop.evaluate import load_plugins
+    from agentloop.bench import run_bench
 
-    load_plugins(cfg)
-    cfg = cfg.model_copy(update={"name": "bench-tools"})
-    run_dir = make_run_dir(cfg)
-    report = run_async(bench_tools_async(cfg, args, run_dir))
-    write_json(run_dir / "bench_tools.json", report)
-    if args.out:
-        write_json(Path(args.out), report)
+    run_dir, report = run_bench(cfg, args, "tools", bench_tools_async)
     forced = "; tool calls FORCED (scripted parser, real generation and tools)" if report["forced_tools"] else ""
     print(f"bench tools ({report['prompts_per_set']} prompts x {report['samples']} samples per set, "
           f"max_new_tokens {report['max_new_tokens']}, max_turns {report['max_turns']}; shares are of summed "

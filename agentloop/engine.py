@@ -19,7 +19,7 @@ import inspect
 import sys
 import time
 from collections import Counter, defaultdict
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -159,7 +159,6 @@ def test_per_server_cap_is_respected():
         peak = 0
         async with ServerManager([f.url], ManagerConfig(**{**FAST, "max_inflight_per_server": 3})) as sm:
             async def one(i):
-                nonlocal peak
                 out = await sm.generate(f"e{i}", prompt_ids=[i + 1], sampling_params=sp())
                 return out
 
@@ -186,7 +185,9 @@ def test_server_killed_mid_rollout_no_episode_lost_or_duplicated():
             engine = RolloutEngine(cfg, sm, tokenizer=None, loop_cls=TwoTurnLoop, progress=False)
 
             async def killer():
-                await asyncio.sleep(0.15)
+                # kill once the victim has finished some requests (and holds others in flight)
+                while len(fakes[1].completed) < 3:
+                    await asyncio.sleep(0.005)
                 await fakes[1].stop()
 
             result, _ = await asyncio.gather(engine.run(make_samples(60), n_samples=2), killer())
@@ -216,7 +217,8 @@ def test_all_servers_gone_stops_run_and_keeps_records():
             engine = RolloutEngine(cfg, sm, tokenizer=None, loop_cls=TwoTurnLoop, progress=False)
 
             async def killer():
-                await asyncio.sleep(0.3)
+                while len(written) < 5:  # some records exist before every server dies
+                    await asyncio.sleep(0.005)
                 for f in fakes:
                     await f.stop()
 
@@ -289,12 +291,17 @@ def test_ejected_server_is_readmitted_when_healthy_again():
     async def main():
         a, b = await start_fakes(2)
         async with ServerManager([a.url, b.url], ManagerConfig(**FAST)) as sm:
+            async def until(state: bool) -> bool:
+                for _ in range(500):  # health probes every 0.2 s; a loaded box may be slow
+                    if sm.router.servers[0].healthy is state:
+                        break
+                    await asyncio.sleep(0.01)
+                return sm.router.servers[0].healthy
+
             a.healthy = False
-            await asyncio.sleep(0.5)
-            down = sm.router.servers[0].healthy
+            down = await until(False)
             a.healthy = True
-            await asyncio.sleep(0.5)
-            up = sm.router.servers[0].healthy
+            up = await until(True)
             g = sm.gauges()
         await a.stop(), await b.stop()
         return down, up, g

@@ -27,17 +27,15 @@ can claim about itself. Treat a sudden jump to 1.0 from odd code as a reward hac
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
 import secrets
-import weakref
 from typing import Any, Awaitable, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentloop.tools.sandbox import SandboxLimits, run_python
+from agentloop.tools.sandbox import SandboxLimits, loop_semaphore, run_python
 
 
 class CodeRewardConfig(BaseModel):
@@ -217,16 +215,6 @@ def _parse_results(stdout: str, nonce: str, total: int) -> tuple[int, str]:
     return passed, failures[0] if failures else ""
 
 
-# one concurrency cap per event loop (a Semaphore belongs to the loop it first waits on)
-_SEMAPHORES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
-
-
-def _semaphore(n: int) -> asyncio.Semaphore:
-    loop = asyncio.get_running_loop()
-    sem = _SEMAPHORES.get(loop)
-    if sem is None:
-        sem = _SEMAPHORES[loop] = asyncio.Semaphore(n)
-    return sem
 
 
 def _run_limits(limits: SandboxLimits | None, cfg: CodeRewardConfig) -> SandboxLimits:
@@ -246,7 +234,7 @@ async def run_code_tests(answer: str, ground_truth: Any, cfg: CodeRewardConfig |
         return CodeTestResult(total=len(tests), reason="no_code", extracted=where)
     nonce = secrets.token_hex(16)
     program = build_test_program(source, entry, tests, nonce, cfg.per_test_timeout_s)
-    async with _semaphore(cfg.max_concurrent):
+    async with loop_semaphore("code_reward", cfg.max_concurrent):
         res = await run_python(program, _run_limits(limits, cfg))
     passed, failure = _parse_results(res.stdout, nonce, len(tests))
     if not failure and passed < len(tests):

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import weakref
 from typing import Any
 
 from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.registry import register_tool
-from agentloop.tools.sandbox import SandboxLimits, run_python
+from agentloop.tools.sandbox import SandboxLimits, loop_semaphore, run_python
 
-# one concurrency cap per event loop (a Semaphore belongs to the loop it first waits on)
-_SEMAPHORES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
-
-
-def _semaphore(n: int) -> asyncio.Semaphore:
-    loop = asyncio.get_running_loop()
-    sem = _SEMAPHORES.get(loop)
-    if sem is None:
-        sem = _SEMAPHORES[loop] = asyncio.Semaphore(n)
-    return sem
 
 
 @register_tool("python")
@@ -48,7 +36,7 @@ class PythonTool(BaseTool):
 
     async def execute(self, instance: dict[str, Any], arguments: dict[str, Any]) -> ToolResponse:
         limits: SandboxLimits = instance["limits"]
-        async with _semaphore(self.config.python.max_concurrent):
+        async with loop_semaphore("python_tool", self.config.python.max_concurrent):
             res = await run_python(arguments["code"], limits)
         instance["runs"] += 1
         metrics = {"wall_s": res.wall_s, "cpu_s": res.cpu_s, f"reason_{res.reason}": 1.0}

@@ -46,6 +46,7 @@ import stat
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -424,3 +425,17 @@ def _classify(status: dict | None, out: bytearray, err: bytearray, limits: Sandb
         reason = "error"
     return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, signal=sig, timed_out=timed_out,
                          truncated=truncated, reason=reason, wall_s=wall, cpu_s=cpu, isolation=isolation)
+
+
+# One concurrency cap per (event loop, user): a Semaphore belongs to the loop it first waits on.
+_SEMAPHORES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def loop_semaphore(key: str, n: int) -> asyncio.Semaphore:
+    """The running loop's semaphore named `key` (created with `n` permits on first use)."""
+    per_loop = _SEMAPHORES.setdefault(asyncio.get_running_loop(), {})
+    sem = per_loop.get(key)
+    if sem is None:
+        sem = per_loop[key] = asyncio.Semaphore(n)
+    return sem
