@@ -134,9 +134,8 @@ async def bench_tools_async(cfg: Config, args: argparse.Namespace, run_dir: Path
             for side, loop_cls in sides:
                 await sm.flush_cache()
                 c = side_cfg[side]
-                kwargs = loop_cls.engine_kwargs(c) if hasattr(loop_cls, "engine_kwargs") else {}
                 with RecordWriter(run_dir / f"records-{name}-{side}.jsonl") as writer:
-                    engine = RolloutEngine(c, sm, tokenizer, loop_cls, loop_kwargs=kwargs, progress=False)
+                    engine = RolloutEngine(c, sm, tokenizer, loop_cls, progress=False)
                     t0 = time.perf_counter()
                     res = await engine.run(data[name], n_samples=args.bench_samples, on_record=writer)
                     wall = time.perf_counter() - t0

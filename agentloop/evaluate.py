@@ -25,13 +25,11 @@ async def rollout_async(cfg: Config, run_dir: Path, progress: bool = True) -> Ro
     scorer = Scorer(cfg)  # fail on a bad custom reward before servers start
     model_path = resolve_model(cfg)
     tokenizer = load_tokenizer_for(cfg, model_path)
-    loop_kwargs = loop_cls.engine_kwargs(cfg) if hasattr(loop_cls, "engine_kwargs") else {}
     print(f"agentloop rollout: {len(samples)} prompts x {cfg.rollout.n_samples} samples, loop "
           f"{cfg.rollout.loop}, model {model_path}, run dir {run_dir}", file=sys.stderr, flush=True)
     async with serving(cfg, model_path, run_dir) as sm:
         with RecordWriter(run_dir / "records.jsonl") as writer:
-            engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, loop_kwargs=loop_kwargs,
-                                   progress=progress)
+            engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=progress)
             result = await engine.run(samples, on_record=writer)
     summary = dict(result.summary)
     summary["run_dir"] = str(run_dir)

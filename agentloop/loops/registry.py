@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar, overload
 
 from agentloop.cache import import_python_file
 from agentloop.errors import ConfigError
+from agentloop.registries import admit_class
 
 if TYPE_CHECKING:
     from agentloop.loops.base import AgentLoopBase
@@ -43,17 +44,7 @@ def register_agent_loop(name, cls=None, *, override=False):
     from agentloop.loops.base import AgentLoopBase
 
     def _register(c):
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"agent loop name must be a non-empty string, got {name!r}")
-        if not (isinstance(c, type) and issubclass(c, AgentLoopBase)):
-            raise ConfigError(f"agent loop {name!r}: {c!r} is not a subclass of AgentLoopBase")
-        old = _LOOPS.get(name)
-        if old is not None and old is not c and not override:
-            raise ConfigError(
-                f"agent loop {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
-                "pass override=True to replace it"
-            )
-        _LOOPS[name] = c
+        admit_class(_LOOPS, "agent loop", name, c, AgentLoopBase, override)
         c.name = name
         return c
 

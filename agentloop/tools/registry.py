@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, TypeVar, overload
 
 from agentloop.errors import ConfigError
+from agentloop.registries import admit_class
 from agentloop.tools.base import BaseTool
 
 _TOOLS: dict[str, type[BaseTool]] = {}
@@ -25,15 +26,7 @@ def register_tool(name, cls=None, *, override=False):
     """
 
     def _register(c):
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"tool name must be a non-empty string, got {name!r}")
-        if not (isinstance(c, type) and issubclass(c, BaseTool)):
-            raise ConfigError(f"tool {name!r}: {c!r} is not a subclass of BaseTool")
-        old = _TOOLS.get(name)
-        if old is not None and old is not c and not override:
-            raise ConfigError(f"tool {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
-                              "pass override=True to replace it")
-        _TOOLS[name] = c
+        admit_class(_TOOLS, "tool", name, c, BaseTool, override)
         if not c.name:
             c.name = name
         return c
