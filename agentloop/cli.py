@@ -4,6 +4,9 @@
     agentloop train [--config F] [same flags]   GRPO (embedded default: agentloop/presets/train_tiny.yaml)
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
+    agentloop bench train [--model PATH|tiny|qwen2.5-0.5b-shape] [--bench-sequences N] [--nproc N] ...
+                          learner tok/s and MFU on synthetic batches
+    agentloop bench train --run-dir RUN | --full [--full-steps 3]   time split of a train step
     agentloop trace RECORDS.jsonl [--out FILE.html] [--limit N] [--model DIR]   episodes as an HTML page
     agentloop build-model          build (or find) the cached tiny model and print its directory
     agentloop loops                list registered agent loops (plugins included)
@@ -67,7 +70,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from agentloop.config import load_config
 
     config = args.config
-    if config is None and args.command == "train":
+    if config is None and (args.command == "train" or getattr(args, "full", False)):
         config = Path(__file__).parent / TRAIN_PRESET  # the embedded default run
     cfg = load_config(config, list(args.overrides) + _flag_overrides(args))
     if args.plugin:
@@ -105,6 +108,32 @@ def make_parser() -> argparse.ArgumentParser:
     bt.add_argument("--bench-force-tools", action="store_true",
                     help="read every turn as a tool call (measures the tool path with a model that never calls)")
     bt.add_argument("--out", help="also write the report JSON here")
+    btr = bsub.add_parser("train", help="learner tokens/s, step time, peak memory and MFU on synthetic batches "
+                                        "through the real train_step; or (--run-dir/--full) a train step's time split")
+    btr.add_argument("--config", help="YAML config file: its learner/algo sections configure the learner")
+    btr.add_argument("--model", dest="bench_model", metavar="PATH|tiny|qwen2.5-0.5b-shape",
+                     help="model directory or named shape (default: model.path, else tiny)")
+    btr.add_argument("--run-dir", dest="split_run_dir", metavar="DIR",
+                     help="report the step time split of this `agentloop train` run (its metrics.jsonl)")
+    btr.add_argument("--full", action="store_true",
+                     help="run a short `agentloop train` (train preset unless --config) and report its split")
+    btr.add_argument("--full-steps", type=int, default=3, metavar="N", help="steps of the --full run")
+    btr.add_argument("--bench-sequences", type=int, metavar="N", help="sequences per step (default 64)")
+    btr.add_argument("--bench-group-size", type=int, metavar="G", help="episodes per prompt (default 8)")
+    btr.add_argument("--bench-prompt-tokens", type=int, metavar="P", help="prompt length (default 256)")
+    btr.add_argument("--bench-response-tokens", type=int, metavar="R", help="response length (default 768)")
+    btr.add_argument("--bench-env-tokens", type=int, metavar="E", help="mask-0 tokens inside each response (default 0)")
+    btr.add_argument("--bench-warmup", type=int, metavar="K", help="untimed steps first (default 1)")
+    btr.add_argument("--bench-steps", type=int, metavar="K", help="timed steps (default 3)")
+    btr.add_argument("--bench-seed", type=int, metavar="S", help="seed of the synthetic records (default 0)")
+    btr.add_argument("--nproc", type=int, metavar="N", help="learner ranks (torchrun when > 1; = learner.nproc)")
+    btr.add_argument("--peak-tflops", type=float, metavar="T",
+                     help="peak dense TFLOP/s per device for MFU (default: by GPU name; none on CPU)")
+    btr.add_argument("--out", help="also write the report JSON here")
+    btr.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (learner.*, algo.*, ...)")
+    # the shared flags that build_config reads; --run-dir and --model mean something else here
+    btr.set_defaults(server_url=[], model=None, loop=None, data=None, n_samples=None, seed=None, run_dir=None,
+                     plugin=[])
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
     tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")
     tp.add_argument("records", metavar="RECORDS.jsonl")
@@ -190,6 +219,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.bench_tools import run_bench_tools
 
         run_bench_tools(cfg, args)
+        return 0
+    if args.command == "bench" and args.bench == "train":
+        from agentloop.bench_train import run_bench_train
+
+        run_bench_train(cfg, args)
         return 0
     raise ConfigError(f"unknown command {args.command!r}")
 

@@ -222,6 +222,7 @@ class RolloutEngine:
         reward, info = out.reward, {}
         error = out.error
         if error is None and reward is None:
+            t_score = time.monotonic()
             try:
                 reward, info = await self.scorer.score(sample, solution_text(out, self.tokenizer))
                 reward, tool_info = combine_tool_reward(reward, out.extra, self.cfg.reward.tools)
@@ -230,6 +231,8 @@ class RolloutEngine:
                 error = f"RewardError: {e}"
             except Exception as e:  # noqa: BLE001
                 error = f"RewardError: {type(e).__name__}: {e}"
+            # summed per step by `agentloop train` (time/reward_s): scoring runs inside the rollout phase
+            out.metrics["reward_time_s"] = time.monotonic() - t_score
         return EpisodeRecord(
             **out.model_dump(exclude={"reward", "error"}),
             reward=reward, error=error, reward_info=info,

@@ -9,6 +9,9 @@ logprobs, a real chat template, a real SGLang server).
 Map:
     TinyModelSpec        every knob of the build; its hash names the cache directory
     ensure_tiny_model    cached build (file lock + temp dir + atomic rename), returns the dir
+    MODEL_SHAPES         named real-model shapes (Qwen2.5-0.5B) for benchmarks, random weights
+    shape_config         the Qwen2Config of a named shape
+    ensure_shape_model   cached random-weight model of a named shape, with the tiny tokenizer
     load_tokenizer       `PreTrainedTokenizerFast` from a model (or tokenizer) directory
     CHAT_TEMPLATE        our Qwen2.5-style ChatML Jinja template with tool support
     build_corpus         the synthetic training text (deterministic in the seed)
@@ -35,12 +38,15 @@ __all__ = [
     "CODE_VERSION",
     "SPECIAL_TOKENS",
     "TOOL_TOKENS",
+    "MODEL_SHAPES",
     "TinyModelSpec",
     "build_corpus",
     "default_cache_dir",
+    "ensure_shape_model",
     "ensure_tiny_model",
     "load_tokenizer",
     "model_dir_for",
+    "shape_config",
 ]
 
 CODE_VERSION = "2"
@@ -174,6 +180,64 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, spec: TinyModelSpec |
     """
     spec = spec or TinyModelSpec()
     return build_once(model_dir_for(spec, cache_dir), lambda tmp: _build(spec, tmp))
+
+
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b-shape": dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+    ),
+}
+"""Qwen2 config fields of real model shapes, for benchmarks that need the real compute and memory
+of a model but not its weights (so nothing is downloaded). Qwen2.5-0.5B: 494M parameters."""
+
+
+def shape_config(name: str, *, bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,
+                 dtype: str = "bfloat16") -> Any:
+    """`Qwen2Config` of the shape `name` in MODEL_SHAPES (token ids and dtype as given)."""
+    from transformers import Qwen2Config
+
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {sorted(MODEL_SHAPES)}")
+    return Qwen2Config(**MODEL_SHAPES[name], bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                       pad_token_id=pad_token_id, torch_dtype=dtype)
+
+
+def ensure_shape_model(name: str = "qwen2.5-0.5b-shape", cache_dir: str | Path | None = None, *,
+                       seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Directory of a random-weight model of shape `name` (built once, cached like the tiny model).
+
+    It carries the tiny model's tokenizer files and token ids, so it is a complete model directory
+    (SGLang can serve it, the learner can load it); its vocabulary is the shape's, far larger than
+    the tokenizer's, which only matters for decoding random ids. Building the 0.5B shape takes
+    ~10-30 s of CPU (seeded init + a ~1 GB bf16 safetensors write).
+    """
+    shape_config(name)  # an unknown name fails before anything is built
+    tiny = ensure_tiny_model(cache_dir)
+    tc = json.loads((tiny / "config.json").read_text())
+    payload = json.dumps({"code": CODE_VERSION, "shape": MODEL_SHAPES[name], "seed": seed, "dtype": dtype,
+                          "tiny": tiny.name}, sort_keys=True)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / "models" / f"{name}-{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
+
+    def build(out: Path) -> None:
+        import shutil
+
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        config = shape_config(name, bos_token_id=tc["bos_token_id"], eos_token_id=tc["eos_token_id"],
+                              pad_token_id=tc["pad_token_id"], dtype=dtype)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2ForCausalLM(config)
+        model.to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
+        for f in tiny.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(f, out / f.name)
+
+    return build_once(target, build)
 
 
 def load_tokenizer(path: str | Path) -> Any:

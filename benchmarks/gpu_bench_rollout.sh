@@ -43,32 +43,9 @@ python3 -c "import sglang, torch, transformers, aiohttp; print('sglang', sglang.
 # ---- models
 TINY=$(python3 -c "from agentloop.modelzoo import ensure_tiny_model; print(ensure_tiny_model())" | tail -1)
 log "tiny model: $TINY"; ls -la "$TINY"
-Q05=/tmp/models/q05-shape
-(python3 - "$TINY" "$Q05" <<'EOF'
-import json, shutil, sys, time
-from pathlib import Path
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-tiny, out = Path(sys.argv[1]), Path(sys.argv[2])
-t0 = time.time()
-out.mkdir(parents=True, exist_ok=True)
-tc = json.loads((tiny / "config.json").read_text())
-cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
-                  bos_token_id=tc.get("bos_token_id"), eos_token_id=tc.get("eos_token_id"),
-                  pad_token_id=tc.get("pad_token_id"), torch_dtype="bfloat16")
-torch.manual_seed(0)
-with torch.device("cpu"):
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
-n = sum(p.numel() for p in model.parameters())
-model.save_pretrained(str(out), safe_serialization=True)
-for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-    if (tiny / f).is_file():
-        shutil.copy(tiny / f, out / f)
-print(f"q05-shape model: {n/1e6:.1f}M params, built in {time.time()-t0:.1f}s at {out}", flush=True)
-EOF
-) > /tmp/build_q05.txt 2>&1 &
+# built (once, cached) by agentloop.modelzoo.ensure_shape_model, in the background while tiny is benched
+(python3 -c "from agentloop.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))") \
+  > /tmp/build_q05.txt 2>&1 &
 BUILD_PID=$!
 
 # ---- server + bench for one model
@@ -126,6 +103,7 @@ fi
 stop_server
 
 wait "$BUILD_PID"; log "build q05 exit $?"; cat /tmp/build_q05.txt
+Q05=$(tail -1 /tmp/build_q05.txt)
 name=q05
 LEFT=$(left)
 log "time left for q05: ${LEFT}s"

@@ -45,7 +45,7 @@ def post(path, body, timeout=120):
 
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 DEV = "cuda"
 A = Path("/tmp/models/ws_A"); B = Path("/tmp/models/ws_B")
@@ -68,10 +68,9 @@ def save_timed(model, d: Path, label: str):
 
 
 # ---------------------------------------------------------------- 1. models A and B
-cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
+from agentloop.modelzoo import shape_config  # noqa: E402  (the one definition of the shape)
+
+cfg = shape_config("qwen2.5-0.5b-shape", bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
 torch.manual_seed(0)
 t = time.time()
 with torch.device(DEV):

@@ -293,7 +293,9 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 t_sync = await _push_weights(sm, cfg, upd.weights_dir, str(step))
                 row: dict[str, Any] = {"step": float(step), **rollout_metrics(res.records, "train")}
                 row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
+                # reward_s is summed over episodes and overlaps rollout_s (episodes are scored as they end)
                 row.update({"time/rollout_s": t_roll, "time/learner_s": t_learn, "time/sync_s": t_sync,
+                            "time/reward_s": sum(r.metrics.get("reward_time_s", 0.0) for r in res.records),
                             "time/step_s": time.monotonic() - t0,
                             "rollout/tokens_per_s": res.summary.get("tokens_per_s", 0.0)})
                 if cfg.train.val_every and val_samples and (step % cfg.train.val_every == 0
