@@ -182,10 +182,11 @@ class TrainConfig(Section):
     """Validate every N steps (and after the last step); 0 disables validation."""
     val_max_samples: int | None = Field(default=32, ge=1)
     """Validation prompts used (one episode each)."""
-    warm_start: bool = False
+    warm_start: bool = True
     """With the built-in tiny model (model.path null), start from its supervised warm start on
-    synthetic calculator traces (built once, cached) so RL has something to improve. The build
-    needs ~190k traces to learn copying tool results: ~95 s on a GPU, hours on 2 CPU cores."""
+    synthetic calculator traces, so RL has something to improve: it calls the calculator on about
+    half the prompts at temperature 1. The SFT takes ~100 s on a GPU and hours on 2 CPU cores, so its
+    GPU-built weights ship in the package and are installed into the cache (see agentloop.warmstart)."""
     sync: Literal["disk"] = "disk"
     """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk."""
     pause_mode: Literal["abort", "in_place", "retract"] = "retract"

@@ -12,7 +12,9 @@ from agentloop.data.tasks import CALCULATOR_SYSTEM
 from agentloop.modelzoo import load_tokenizer
 from agentloop.tools.calculator import calculate, format_number
 from agentloop.tools.parsers import parse_hermes
+import agentloop.warmstart as warmstart
 from agentloop.warmstart import (
+    DEFAULT_SPEC,
     WarmStartSpec,
     _excluded_expressions,
     build_traces,
@@ -153,3 +155,54 @@ def test_evaluate_tool_use_runs(warm_dir: Path) -> None:
         assert 0.0 <= v <= 1.0
     assert stats.tool_call_rate <= stats.attempted_call_rate
     assert len(stats.examples) == 4
+
+
+def test_shipped_model_installs_and_uses_the_calculator(tmp_path: Path, tiny_model_path: Path) -> None:
+    manifest = warmstart.shipped_artefact()
+    assert manifest is not None, "the package ships the GPU-built warm model"
+    d = ensure_warm_model(tmp_path, base_dir=tiny_model_path)
+    assert d.name == manifest["digest"] == warm_model_dir_for(DEFAULT_SPEC, tiny_model_path, tmp_path).name
+    assert (d / "tokenizer.json").read_bytes() == (tiny_model_path / "tokenizer.json").read_bytes()
+    # It is the policy RL starts from: greedy it mostly calls the tool, and a call is copied right.
+    stats = evaluate_tool_use(d, n=16, temperature=0.0, max_new_tokens=48)
+    assert stats.tool_call_rate >= 0.5, stats.examples
+    assert stats.accuracy_with_tool >= 0.9, stats.examples
+    assert stats.accuracy_without_tool <= 0.2
+
+
+def _shipped_copy(tmp_path: Path, monkeypatch) -> Path:
+    src = warmstart.SHIPPED_DIR
+    dst = tmp_path / "shipped"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(warmstart, "SHIPPED_DIR", dst)
+    return dst
+
+
+def test_corrupt_shipped_weights_are_refused(tmp_path: Path, tiny_model_path: Path, monkeypatch) -> None:
+    dst = _shipped_copy(tmp_path, monkeypatch)
+    data = bytearray((dst / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (dst / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="model.safetensors is missing or corrupt"):
+        ensure_warm_model(tmp_path / "cache", base_dir=tiny_model_path)
+    assert not warm_model_dir_for(DEFAULT_SPEC, tiny_model_path, tmp_path / "cache").exists()
+
+
+def test_shipped_weights_need_the_same_tokenizer(tmp_path: Path, tiny_model_path: Path, monkeypatch) -> None:
+    dst = _shipped_copy(tmp_path, monkeypatch)
+    manifest = json.loads((dst / "artefact.json").read_text())
+    manifest["tokenizer_sha256"] = "0" * 64
+    (dst / "artefact.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="local tokenizer .* hashes to"):
+        ensure_warm_model(tmp_path / "cache", base_dir=tiny_model_path)
+
+
+def test_gpu_spec_without_gpu_or_artefact_says_so(tmp_path: Path, tiny_model_path: Path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = DEFAULT_SPEC.model_copy(update={"seed": 1})
+    with pytest.raises(RuntimeError, match="no GPU is visible and no shipped artefact matches"):
+        ensure_warm_model(tmp_path, spec, base_dir=tiny_model_path)

@@ -282,11 +282,14 @@ class Learner:
 
         t1 = time.perf_counter()
         recompute = algo.old_logprobs == "recompute"
-        if recompute or self.ref_model is not None:
+        # One epoch of one mini-batch: the weights are untouched until the single optimizer step, so
+        # the recomputed old logprobs would equal the loss pass's own (detached); skip that forward.
+        on_policy = recompute and cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+        if (recompute and not on_policy) or self.ref_model is not None:
             with torch.no_grad():
                 for mbs in plans:
                     for mb in mbs:
-                        if recompute:
+                        if recompute and not on_policy:
                             mb.old_logprobs, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
                         if self.ref_model is not None:
                             mb.ref_logprobs, _ = self._forward(self.ref_model, mb, entropy=False, entropy_grad=False)
@@ -305,7 +308,7 @@ class Learner:
                 for j, mb in enumerate(mbs):
                     self.model.set_requires_gradient_sync(j == len(mbs) - 1)
                     logp, ent = self._forward(self.model, mb, entropy=True, entropy_grad=want_entropy_grad)
-                    old = mb.old_logprobs if recompute else mb.rollout_logprobs
+                    old = (logp.detach() if on_policy else mb.old_logprobs) if recompute else mb.rollout_logprobs
                     out = policy_loss(logp, old, mb.advantages, mb.loss_mask, mb.weights, algo,
                                       rollout_logp=mb.rollout_logprobs, ref_logp=mb.ref_logprobs, entropy=ent)
                     (out.loss * self.world).backward()

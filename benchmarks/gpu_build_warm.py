@@ -1,0 +1,51 @@
+"""Build warm-start variants of the tiny model on a GPU and measure their tool use (one process each).
+
+Usage (on the GPU machine, from the repo root):
+    python3 benchmarks/gpu_build_warm.py OUT_DIR NAME [--export] key=value ...
+Writes OUT_DIR/NAME/{model files, stats.json}. The spec keys are WarmStartSpec fields.
+"""
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from agentloop.modelzoo import ensure_tiny_model
+from agentloop.warmstart import WarmStartSpec, ensure_warm_model, evaluate_tool_use
+
+
+def main() -> None:
+    global kv_flags
+    out, name, *kv = sys.argv[1:]
+    kv_flags = [a for a in kv if a.startswith("--")]
+    kv = [a for a in kv if not a.startswith("--")]
+    fields = {}
+    for item in kv:
+        k, v = item.split("=", 1)
+        fields[k] = json.loads(v) if v[:1] in "0123456789.-[{" or v in ("true", "false") else v
+    spec = WarmStartSpec(device="cuda", **fields)
+    cache = Path(out) / "cache"
+    base = ensure_tiny_model(cache)
+    t0 = time.monotonic()
+    model_dir = ensure_warm_model(cache, spec, base_dir=base)
+    build_s = time.monotonic() - t0
+    stats = {"name": name, "spec": spec.model_dump(mode="json"), "digest": model_dir.name, "base": base.name,
+             "build_s": build_s}
+    for temp in (1.0, 0.0):
+        s = evaluate_tool_use(model_dir, n=128, temperature=temp, device="cuda")
+        stats[f"T{temp:g}"] = s.model_dump(exclude={"examples"})
+        stats[f"T{temp:g}_examples"] = s.examples[:3]
+    (Path(out) / f"{name}.json").write_text(json.dumps(stats, indent=2))
+    if len(sys.argv) > 1 and "--export" in kv_flags:
+        dest = Path(out) / f"{name}_model"  # two folders down at most: the device returns it
+        dest.mkdir(exist_ok=True)
+        for f in ("model.safetensors", "config.json", "agentloop_warmstart.json", "generation_config.json"):
+            if (model_dir / f).is_file():
+                shutil.copyfile(model_dir / f, dest / f)
+    print(json.dumps({k: stats[k] for k in ("name", "digest", "build_s")}),
+          {t: (round(stats[t]["tool_call_rate"], 3), round(stats[t]["accuracy"], 3)) for t in ("T1", "T0")}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
