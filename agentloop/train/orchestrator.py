@@ -12,7 +12,11 @@ N-1; the servers get the new weights (pause -> /update_weights_from_disk -> flus
 before step N+1's rollouts start, and each record's `weight_versions` says so.
 
 Resume: the learner resumes from its last checkpoint and reports `next_step` and the data
-position stored with it; the servers load that step's weights before rolling out again.
+position stored with it; the servers load that step's weights before rolling out again. After a
+kill: a step whose batch was already submitted keeps its rollouts (the learner trains that very
+batch), the partial rollouts file of the step in flight is replaced, and metrics.jsonl keeps one
+line per step (`StepLog.resume_at`). The learner gets SIGTERM when this process dies, even by
+SIGKILL, so it never outlives the run to race a resumed one.
 Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers are stopped by
 `serving`, and the last checkpoint stays usable.
 """
@@ -20,6 +24,7 @@ Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers a
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import random
@@ -32,11 +37,11 @@ from typing import Any
 
 from agentloop.config import Config, DataConfig, dump_config
 from agentloop.data import load_samples
-from agentloop.engine import RolloutEngine, Scorer
+from agentloop.engine import RolloutEngine, RolloutResult, Scorer
 from agentloop.errors import AgentLoopError, ConfigError
 from agentloop.loops import get_agent_loop
 from agentloop.plots import write_curves_html
-from agentloop.records import EpisodeRecord
+from agentloop.records import EpisodeRecord, read_records
 from agentloop.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.runtime import load_tokenizer_for, run_async, serving
 from agentloop.sample import Sample
@@ -80,6 +85,20 @@ def _data(path: str | None, builtin: str, max_samples: int | None = None) -> lis
 # ---------------------------------------------------------------------------- learner process
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the learner when the orchestrator dies, even by SIGKILL (Linux; best effort).
+
+    The learner runs in a session of its own (a Ctrl-C must not reach it before STOP does), so a
+    kill of the orchestrator's process group would otherwise leave it training, and a resumed run
+    would start a second learner on the same run dir. SIGTERM rather than SIGKILL so that torchrun
+    (nproc > 1) still stops its ranks, which it starts in sessions of their own.
+    """
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class LearnerProcess:
     """The learner ranks as one child process group, with its output in run_dir/learner.log."""
 
@@ -97,7 +116,8 @@ class LearnerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.close()
         return self.proc
 
@@ -164,6 +184,24 @@ class StepLog:
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 self.tb = None
+
+    def resume_at(self, first: int, paths: Any) -> None:
+        """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
+        e.g. after the last checkpoint), and log a step < first that the learner finished but that
+        has no line (killed between its update and its line) from its rollouts and update.done."""
+        kept = [r for r in self.rows if r.get("step", 0) < first] if first > 1 else []
+        if kept != self.rows:
+            from agentloop.train.mailbox import atomic_write_text
+
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self.rows = kept
+        last = first - 1
+        done, recs = paths.done(last), self.run_dir / "rollouts" / f"step-{last:06d}.jsonl"
+        if last >= 1 and not any(r.get("step") == last for r in self.rows) and done.is_file() and recs.is_file():
+            metrics = json.loads(done.read_text()).get("metrics", {})
+            row: dict[str, Any] = {"step": float(last), **rollout_metrics(list(read_records(recs)), "train")}
+            row.update({f"learner/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+            self.log(row)
 
     def log(self, row: dict[str, float]) -> None:
         self.rows = [r for r in self.rows if r.get("step") != row["step"]] + [row]
@@ -257,6 +295,7 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
             first = int(info.get("next_step") or 1)
             cursor = DataCursor(train_samples, cfg.rollout.seed, int(info.get("data_position") or 0))
+            log.resume_at(first, client.paths)
             if first > 1:
                 prev = client.paths.weights(first - 1)
                 if prev.is_dir():
@@ -274,8 +313,15 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 batch = cursor.take(cfg.train.prompts_per_step)
                 rollouts = run_dir / "rollouts"
                 rollouts.mkdir(exist_ok=True)
-                with RecordWriter(rollouts / f"step-{step:06d}.jsonl") as writer:
-                    res = await engine.run(batch, step=step, on_record=writer)
+                path = rollouts / f"step-{step:06d}.jsonl"
+                if client.paths.ready(step).exists() and path.is_file():
+                    # Submitted before a kill: the learner trains that batch (submit is a no-op), so keep
+                    # the complete rollouts it was made from rather than sampling the step again.
+                    res = RolloutResult(records=list(read_records(path)))
+                else:
+                    path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
+                    with RecordWriter(path) as writer:
+                        res = await engine.run(batch, step=step, on_record=writer)
                 if res.stopped:
                     raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
                 t_roll = time.monotonic() - t0
