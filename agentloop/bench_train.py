@@ -29,7 +29,8 @@ is only a target) in a model with L layers and hidden size H:
     forward-only pass                    2*N*S +  4*L*H*S^2
 The attention term is the QK^T and AV matmuls without causal halving, as in PaLM (so does MFU in
 most reports). A step runs `ppo_epochs` training passes, plus one forward pass when
-`algo.old_logprobs == "recompute"` and one more (the reference model) when `algo.kl_coef > 0`; these
+the old logprobs are recomputed in a pass of their own (`learner.old_logprob_pass`: not for one
+epoch of one mini-batch, where the loss pass's detached logprobs are the old ones) and one more (the reference model) when `algo.kl_coef > 0`; these
 forward passes are the algorithm's, so they count as model FLOPs. Padding is not counted (the
 synthetic sequences have equal lengths, so there is none). Activation recomputation
 (`learner.gradient_checkpointing`) is not counted: it is work, not model FLOPs.
@@ -269,7 +270,9 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
     algo, cfg, hf = learner.algo, learner.cfg, learner.hf_config
     seq = bench.prompt_tokens + bench.response_tokens - 1
     seq_lens = [seq] * bench.sequences
-    fwd_passes = int(algo.old_logprobs == "recompute") + int(algo.kl_coef > 0)
+    from agentloop.train.learner import old_logprob_pass
+
+    fwd_passes = int(old_logprob_pass(algo, cfg)) + int(algo.kl_coef > 0)
     flops = step_flops(n_params, hf.num_hidden_layers, hf.hidden_size, seq_lens, train_passes=cfg.ppo_epochs,
                        forward_passes=fwd_passes)
     walls = sorted(s["wall_s"] for s in steps)

@@ -2,8 +2,9 @@
 # `agentloop bench train` on one GPU: learner tokens/s, step time, peak memory and MFU of the real
 # train_step (FSDP2, bf16 compute, fp32 master weights) for a random-weight Qwen2.5-0.5B-shaped model
 # (agentloop.modelzoo.ensure_shape_model), on synthetic GRPO batches of 64 sequences x 1024 tokens.
-# Runs: base (learner.micro_batch_tokens 8192), bigger micro-batches (16384), and no recompute pass
-# (algo.old_logprobs=rollout: the step's forward-only pass dropped). A failed variant is logged and skipped.
+# Runs: base (learner.micro_batch_tokens 8192; one epoch of one mini-batch, so no separate old-logprob
+# pass), bigger micro-batches (16384), and two mini-batches (learner.mini_batches=2: two optimizer
+# steps, and the old logprobs need their own forward pass). A failed variant is logged and skipped.
 # Usage, from the repo root on the GPU machine:
 #   source .sglang-gpu/install.sh && bash benchmarks/gpu_bench_train.sh
 # (without the bundle it puts the repo on PYTHONPATH itself: the learner bench needs torch + transformers,
@@ -59,12 +60,12 @@ bench() {  # $1 run name, then extra overrides
 
 bench base learner.micro_batch_tokens=8192
 bench mbt16k learner.micro_batch_tokens=16384
-bench no_recompute learner.micro_batch_tokens=8192 algo.old_logprobs=rollout
+bench two_minibatches learner.micro_batch_tokens=8192 learner.mini_batches=2
 
 {
   echo "# bench train, $SHAPE, $SEQS x $(( PROMPT + RESPONSE )) tokens per step"
   echo
-  for f in "$OUT"/bench_train_base.md "$OUT"/bench_train_mbt16k.md "$OUT"/bench_train_no_recompute.md; do
+  for f in "$OUT"/bench_train_base.md "$OUT"/bench_train_mbt16k.md "$OUT"/bench_train_two_minibatches.md; do
     [ -f "$f" ] || continue
     echo "## $(basename "$f" .md)"; tail -n +3 "$f"
   done

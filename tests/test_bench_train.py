@@ -125,8 +125,8 @@ def test_learner_bench_tiny_model_cpu(tmp_path, capsys):
     assert r["response_tokens_per_s"] == pytest.approx(4 * 12 / r["step_s"]["mean"])
     assert r["episodes_per_step"] == 4 and r["micro_batches_per_step"] == 2  # 2 x 31 tokens fit in 64
     shape = r["model_shape"]
-    expect = step_flops(shape["matmul_params"], shape["layers"], shape["hidden"], [31] * 4, forward_passes=1)
-    assert r["flops_per_step"] == expect  # recompute old logprobs: one forward pass
+    expect = step_flops(shape["matmul_params"], shape["layers"], shape["hidden"], [31] * 4, forward_passes=0)
+    assert r["flops_per_step"] == expect  # one epoch of one mini-batch: no separate old-logprob pass
     assert r["mfu"] == pytest.approx(expect["total"] / r["step_s"]["mean"] / 0.5e12)
     assert 0 < r["mfu"] < 1 and r["peak_memory_gib"]["rss"] > 0
     assert all(math.isfinite(x) for x in r["loss"] + r["grad_norm"])

@@ -120,6 +120,16 @@ def _copy_aux_files(src: Path, dst: Path) -> None:
         shutil.copy2(f, dst / f.name)
 
 
+def old_logprob_pass(algo, cfg) -> bool:
+    """Whether a step runs a separate no-grad forward for the old logprobs.
+
+    Only when they are recomputed and the weights move before the last loss pass: with one epoch of
+    one mini-batch the weights are untouched until the single optimizer step, so the recomputed
+    logprobs would equal the loss pass's own (detached), and that forward is skipped.
+    """
+    return algo.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.mini_batches > 1)
+
+
 class Learner:
     """An FSDP2-sharded policy (and optional frozen reference) with its AdamW optimizer.
 
@@ -199,6 +209,12 @@ class Learner:
         return model
 
     # forward ---------------------------------------------------------------------------------
+    def _reshard(self) -> None:
+        """Free every FSDP2 unsharded parameter, so the next forward gathers them afresh."""
+        for m in self.model.modules():
+            if hasattr(m, "reshard") and hasattr(m, "unshard"):
+                m.reshard()
+
     def _forward(self, model, mb, *, entropy: bool, entropy_grad: bool):
         """(logp, entropy or None) of mb's targets, Tensor[b, L] float32."""
         import torch
@@ -239,6 +255,7 @@ class Learner:
                 for row, i in enumerate(mb.episode_ids):
                     s, k = eps[i].prompt_len - 1, len(eps[i].response_mask)
                     result[i] = logp[row, s:s + k].tolist()
+        self._reshard()  # see train_step: no-grad gathered params must not serve a later loss pass
         if self.world > 1:
             parts: list[Any] = [None] * self.world
             dist.all_gather_object(parts, result)
@@ -282,9 +299,7 @@ class Learner:
 
         t1 = time.perf_counter()
         recompute = algo.old_logprobs == "recompute"
-        # One epoch of one mini-batch: the weights are untouched until the single optimizer step, so
-        # the recomputed old logprobs would equal the loss pass's own (detached); skip that forward.
-        on_policy = recompute and cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+        on_policy = recompute and not old_logprob_pass(algo, cfg)
         if (recompute and not on_policy) or self.ref_model is not None:
             with torch.no_grad():
                 for mbs in plans:
@@ -293,6 +308,10 @@ class Learner:
                             mb.old_logprobs, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
                         if self.ref_model is not None:
                             mb.ref_logprobs, _ = self._forward(self.ref_model, mb, entropy=False, entropy_grad=False)
+            # FSDP2 keeps the root's parameters (embeddings, tied lm_head, final norm) unsharded after a
+            # forward; ones gathered under no_grad then serve the loss pass, and the tied weight's
+            # gradient came out wrong (test_on_policy_step_skips_...: 14-57% off an unsharded reference).
+            self._reshard()
 
         t2 = time.perf_counter()
         stats = Stats()
