@@ -3,6 +3,9 @@
 It speaks the subset of SGLang's HTTP API the ServerManager uses. Tokens are a
 deterministic function of (input ids, seed), so retries elsewhere give the same answer.
 Behaviour is switched at run time through `mode`: ok | error500 | error400 | hang | slow | garbage.
+Weight-sync endpoints (disk, tensor, distributed, group init/destroy) are recorded in `admin` and set
+`weight_version` when the request carries one; paths in `refuse` answer `success: false` (HTTP 400).
+GET /server_info reports `tp_size`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class FakeSGLang:
     requests: list[dict[str, Any]] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     admin: list[tuple[str, Any]] = field(default_factory=list)
+    tp_size: int = 1
+    refuse: set[str] = field(default_factory=set)
     paused: bool = False
     _runner: web.AppRunner | None = None
     _unpause: asyncio.Event | None = None
@@ -48,8 +53,10 @@ class FakeSGLang:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         for path in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
-                     "/update_weights_from_disk"):
+                     "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                     "/update_weights_from_distributed", "/destroy_weights_update_group"):
             app.router.add_post(path, self._admin)
+        app.router.add_get("/server_info", self._server_info)
         self._unpause = asyncio.Event()
         self._unpause.set()
         self.port = self.port or _free_port()
@@ -109,10 +116,16 @@ class FakeSGLang:
         }
         return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
+    async def _server_info(self, request: web.Request) -> web.Response:
+        self.admin.append((request.path, None))
+        return web.json_response({"tp_size": self.tp_size, "version": "fake"})
+
     async def _admin(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
         path = request.path
         self.admin.append((path, body))
+        if path in self.refuse:
+            return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
         if path == "/pause_generation":
             self.paused = True
@@ -122,6 +135,10 @@ class FakeSGLang:
             self._unpause.set()
         elif path == "/update_weights_from_disk":
             self.weight_version = str(body.get("weight_version") or "updated")
+            return web.json_response({"success": True, "message": "ok"})
+        elif path in ("/update_weights_from_tensor", "/update_weights_from_distributed"):
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
             return web.json_response({"success": True, "message": "ok"})
         return web.json_response({"success": True})
 

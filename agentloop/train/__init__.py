@@ -7,6 +7,7 @@ Modules, one concept each (lower ones never import higher ones):
     batching     records -> episodes -> mini-batches -> per-rank padded micro-batches
     checkpoint   resumable sharded checkpoints (atomic: temp dir + rename)
     mailbox      file protocol orchestrator <-> learner (MailboxClient is the orchestrator side)
+    weight_sync  disk | tensor (CUDA IPC) | nccl (broadcast) weight push to the servers, by name
     learner      Learner (in-process API) and the torchrun entry point `serve` / `main`
 
 Add an advantage estimator: write `fn(rewards, groups, lengths, cfg) -> Tensor[B]`, decorate it
@@ -41,6 +42,11 @@ _EXPORTS = {
     "LearnerDiedError": "mailbox",
     "LearnerFailedError": "mailbox",
     "UpdateResult": "mailbox",
+    "SyncRequest": "mailbox",
+    "WeightSync": "weight_sync",
+    "WeightSyncError": "weight_sync",
+    "get_sync": "weight_sync",
+    "register_sync": "weight_sync",
 }
 
 __all__ = sorted(_EXPORTS)

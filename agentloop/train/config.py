@@ -104,6 +104,25 @@ class LearnerConfig(_Section):
     """Mailbox: how often rank 0 looks for the next batch."""
     batch_timeout_s: float = Field(default=3600.0, gt=0)
     """Mailbox: the learner exits with an error if no batch arrives for this long."""
+    weight_sync: Literal["disk", "tensor", "nccl"] = "disk"
+    """How each step's weights reach the servers (agentloop.train.weight_sync). disk: rank 0 saves HF
+    safetensors to weights/step-N and the orchestrator calls /update_weights_from_disk (needs only a
+    shared filesystem). tensor: rank 0 passes CUDA IPC handles to /update_weights_from_tensor (servers
+    on the learner's host, able to see its GPU). nccl: rank 0 broadcasts to the servers over a NCCL group
+    (/init_weights_update_group + /update_weights_from_distributed; servers on any GPU the learner can
+    reach over TCP). tensor and nccl need a GPU learner, push while the orchestrator holds the servers
+    paused, and still save HF weights at checkpoint steps so a resumed run can reload its servers."""
+    weight_sync_bucket_mb: float = Field(default=512.0, gt=0)
+    """tensor/nccl: MiB of weights per server call (one flattened bucket; rank 0 holds one bucket of
+    gathered weights at a time). A tensor larger than this goes alone."""
+    weight_sync_master_addr: str | None = None
+    """nccl: address at which the servers reach the learner's rendezvous store (learner rank 0 is
+    group rank 0). None: 127.0.0.1 when every server URL is a loopback address, else this host's IP."""
+    weight_sync_master_port: int = Field(default=0, ge=0, le=65535)
+    """nccl: TCP port of that store; 0 picks a free port when the group is created."""
+    weight_sync_timeout_s: float = Field(default=600.0, gt=0)
+    """tensor/nccl: deadline of each call to a server, of the NCCL group's rendezvous and collectives,
+    and of rank 0's wait for the orchestrator to pause the servers."""
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
@@ -111,6 +130,8 @@ class LearnerConfig(_Section):
             raise ValueError("schedule='cosine' needs total_steps")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) > total_steps ({self.total_steps})")
+        if self.weight_sync != "disk" and self.device == "cpu":
+            raise ValueError(f"weight_sync={self.weight_sync!r} needs a GPU learner (device cuda or auto)")
         return self
 
 

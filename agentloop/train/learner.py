@@ -28,10 +28,11 @@ Map:
     Learner                model + optimizer (+ reference); compute_logprobs, train_step,
                            save_hf, save_checkpoint, load_checkpoint, close
     serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
+    _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
     learner_command, main  the command line
 
-Who calls whom: serve -> Learner -> batching / losses / checkpoint; Learner never touches the
-mailbox, so it is the API for an in-process trainer too.
+Who calls whom: serve -> Learner -> batching / losses / checkpoint; serve -> weight_sync (pushes);
+Learner never touches the mailbox, so it is the API for an in-process trainer too.
 
 Simplified: every rank loads the full HF model on CPU before sharding (no meta-device init);
 logits are materialised for a whole micro-batch in float32 (size micro_batch_tokens x vocab).
@@ -500,8 +501,15 @@ def serve(
     rank = learner.rank
     dev = learner.device if learner.device_type == "cuda" else None
     box = LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started) if rank == 0 else None
+    syncer = None
     code = EXIT_OK
     try:
+        if cfg.weight_sync != "disk":
+            from agentloop.train.weight_sync import sync_from_config
+
+            if learner.device_type != "cuda":
+                raise ValueError(f"learner.weight_sync={cfg.weight_sync!r} needs a GPU learner")
+            syncer = sync_from_config(cfg)
         if box is not None:
             box.start_heartbeat()
             (Path(run_dir) / "learner_config.json").write_text(json.dumps(
@@ -555,16 +563,21 @@ def serve(
                 if box is not None:
                     box.update_info(status="training", step=step)
                 metrics = learner.train_step(records, step)
-                t = time.perf_counter()
-                wdir = learner.save_hf(paths.weights(step))
-                metrics["time/save_hf_s"] = time.perf_counter() - t
+                ckpt_due = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                wdir = None
+                if syncer is None or ckpt_due:  # GPU pushes keep an HF copy at checkpoints, for resumes
+                    t = time.perf_counter()
+                    wdir = learner.save_hf(paths.weights(step))
+                    metrics["time/save_hf_s"] = time.perf_counter() - t
                 data_position = meta.get("data_position")
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                if ckpt_due:
                     t = time.perf_counter()
                     learner.save_checkpoint(paths.checkpoints, data_position=data_position)
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
+                if syncer is not None:
+                    metrics.update(_push_weights(learner, syncer, box, step, dev, cfg.weight_sync_timeout_s))
                 if box is not None:
-                    box.write_done(step, wdir, metrics)
+                    box.write_done(step, wdir, metrics, pushed=syncer is not None)
                     box.prune_weights(cfg.keep_weights)
                     box.update_info(status="ready", next_step=step + 1, last_step=step)
             except Exception as e:
@@ -579,11 +592,36 @@ def serve(
         code = EXIT_FAILED
         raise
     finally:
+        if syncer is not None and rank == 0:
+            syncer.close()
         if box is not None:
             box.close(status="stopped" if code == EXIT_OK else "failed")
         learner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, timeout_s: float) -> dict[str, float]:
+    """weight_sync tensor|nccl, collective: rank 0 asks the orchestrator to pause the servers
+    (sync.request) and waits for its sync.go; then every rank joins the push (the FSDP gathers) and
+    rank 0 sends to the servers named in sync.go, with the step as weight version."""
+    from agentloop.train.mailbox import MailboxError
+
+    go: Any = None
+    if box is not None:
+        box.request_sync(step, syncer.name)
+        try:
+            go = ("go", list(box.wait_sync_go(step, timeout_s).get("urls") or []))
+        except MailboxError as e:
+            go = ("fail", str(e))
+    go = _bcast(go, dev)  # the other ranks learn the outcome instead of waiting in a gather
+    if go[0] != "go":
+        raise MailboxError(go[1])
+    t = time.perf_counter()
+    metrics = syncer.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=learner.rank,
+                          urls=go[1], version=str(step))
+    metrics["time/sync_s"] = time.perf_counter() - t
+    return metrics
 
 
 # command line --------------------------------------------------------------------------------

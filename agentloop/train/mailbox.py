@@ -8,20 +8,32 @@ Both sides only need a shared filesystem, so they may run on different machines.
     RUN_DIR/mailbox/step-000001/batch.jsonl    orchestrator: EpisodeRecord lines of step 1
     RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after batch.jsonl: {"step", "num_records",
                                                "data_position", "time"}
-    RUN_DIR/mailbox/step-000001/update.done    learner: {"step", "weights_dir", "metrics", "time"}
+    RUN_DIR/mailbox/step-000001/sync.request   learner (weight_sync tensor|nccl), after training:
+                                               {"step", "method", "time"}: pause the servers for me
+    RUN_DIR/mailbox/step-000001/sync.go        orchestrator, once the servers are paused: {"step",
+                                               "urls", "time"}: push the weights to these servers now
+    RUN_DIR/mailbox/step-000001/update.done    learner: {"step", "weights_dir" (null when the learner
+                                               pushed the weights itself), "pushed", "metrics", "time"}
     RUN_DIR/mailbox/step-000001/update.failed  learner: {"step", "error", "traceback", "time"}
     RUN_DIR/mailbox/STOP                       orchestrator: the learner exits after its current step
                                                (a STOP older than the learner process is removed)
     RUN_DIR/weights/step-000001/               learner: HF weights after step 1 (for SGLang's
-                                               /update_weights_from_disk)
+                                               /update_weights_from_disk); with weight_sync tensor|nccl
+                                               only at checkpoint steps (for a resume)
 
 Every file is written to a temporary name and renamed, so a reader never sees half a file.
 Steps are consumed in order, one batch per step; `data_position` is opaque to the learner: it
 is stored in checkpoints and reported back in learner.json after a resume.
 
-Sequence per step: orchestrator `submit(step, records)` -> learner trains -> learner saves
-weights/step-N (and a checkpoint when due) -> learner writes update.done -> orchestrator
-`wait_update(step)` returns the weights dir and metrics.
+Sequence per step (weight_sync disk): orchestrator `submit(step, records)` -> learner trains ->
+learner saves weights/step-N (and a checkpoint when due) -> learner writes update.done ->
+orchestrator `wait_update(step)` returns the weights dir and metrics, and loads it into the servers.
+
+Sequence per step (weight_sync tensor|nccl; the learner pushes, so the pause stays short):
+`submit` -> learner trains (and checkpoints) -> learner writes sync.request ->
+orchestrator (`wait_update_or_sync` returned a SyncRequest) pauses the servers, `allow_sync(step,
+urls)` writes sync.go -> learner pushes the weights to `urls` -> update.done (`pushed: true`) ->
+`wait_update` returns -> orchestrator resumes the servers (in a finally, also on failure).
 
 Resume: a restarted learner loads its newest complete checkpoint (step C), deletes update.* and
 weights of steps > C, and reports next_step = C + 1 in learner.json before waiting for that
@@ -34,6 +46,7 @@ otherwise it checks that learner.json's heartbeat is younger than `heartbeat_tim
 Map:
     MailboxPaths      where everything lives
     MailboxClient     orchestrator side
+    SyncRequest       "pause the servers, then tell me to push" (weight_sync tensor|nccl)
     LearnerMailbox    learner rank 0 side (the loop itself is `agentloop.train.learner.serve`)
     MailboxError      base of MailboxTimeout, LearnerDiedError, LearnerFailedError
 """
@@ -135,6 +148,12 @@ class MailboxPaths:
     def failed(self, step: int) -> Path:
         return self.step_dir(step) / "update.failed"
 
+    def sync_request(self, step: int) -> Path:
+        return self.step_dir(step) / "sync.request"
+
+    def sync_go(self, step: int) -> Path:
+        return self.step_dir(step) / "sync.go"
+
     def weights(self, step: int) -> Path:
         return self.weights_root / f"step-{step:06d}"
 
@@ -142,9 +161,18 @@ class MailboxPaths:
 @dataclass
 class UpdateResult:
     step: int
-    weights_dir: Path
-    """HF directory holding the weights after `step`."""
+    weights_dir: Path | None
+    """HF directory holding the weights after `step`; None when the learner pushed them itself."""
     metrics: dict[str, float]
+    pushed: bool = False
+    """True: the servers already hold these weights (weight_sync tensor|nccl)."""
+
+
+@dataclass
+class SyncRequest:
+    step: int
+    method: str
+    """The learner's weight_sync path: tensor or nccl."""
 
 
 class MailboxClient:
@@ -218,11 +246,24 @@ class MailboxClient:
 
     def wait_update(self, step: int, timeout_s: float) -> UpdateResult:
         """Wait for step's update.done; raise LearnerFailedError / LearnerDiedError / MailboxTimeout."""
+        out = self.wait_update_or_sync(step, timeout_s, sync=False)
+        assert isinstance(out, UpdateResult)
+        return out
+
+    def wait_update_or_sync(self, step: int, timeout_s: float, *, sync: bool = True) -> UpdateResult | SyncRequest:
+        """Like wait_update, but also return when the learner asks for paused servers (sync.request,
+        not yet answered by sync.go); the caller pauses them and calls `allow_sync`."""
         deadline = time.monotonic() + timeout_s
         while True:
             done = _read_json(self.paths.done(step))
             if done is not None:
-                return UpdateResult(step=step, weights_dir=Path(done["weights_dir"]), metrics=done.get("metrics", {}))
+                wdir = done.get("weights_dir")
+                return UpdateResult(step=step, weights_dir=Path(wdir) if wdir else None,
+                                    metrics=done.get("metrics", {}), pushed=bool(done.get("pushed", False)))
+            if sync and not self.paths.sync_go(step).exists():
+                req = _read_json(self.paths.sync_request(step))
+                if req is not None:
+                    return SyncRequest(step=step, method=str(req.get("method", "")))
             failed = _read_json(self.paths.failed(step))
             if failed is not None:
                 raise LearnerFailedError(f"learner failed step {step}: {failed.get('error')}",
@@ -231,6 +272,10 @@ class MailboxClient:
             if time.monotonic() > deadline:
                 raise MailboxTimeout(f"no update for step {step} after {timeout_s}s")
             time.sleep(self.poll_s)
+
+    def allow_sync(self, step: int, urls: list[str]) -> None:
+        """The servers are paused: the learner may push step's weights to `urls`."""
+        atomic_write_json(self.paths.sync_go(step), {"step": step, "urls": list(urls), "time": time.time()})
 
 
 class LearnerMailbox:
@@ -292,10 +337,28 @@ class LearnerMailbox:
                                f"batch.jsonl has {len(records)}")
         return records, meta
 
-    def write_done(self, step: int, weights_dir: Path, metrics: dict[str, float]) -> None:
+    def write_done(self, step: int, weights_dir: Path | None, metrics: dict[str, float], *,
+                   pushed: bool = False) -> None:
         self.paths.step_dir(step).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.paths.done(step), {"step": step, "weights_dir": str(weights_dir),
+        atomic_write_json(self.paths.done(step), {"step": step, "weights_dir": None if weights_dir is None
+                                                  else str(weights_dir), "pushed": pushed,
                                                   "metrics": metrics, "time": time.time()})
+
+    def request_sync(self, step: int, method: str) -> None:
+        """Ask the orchestrator to pause the servers for this step's push."""
+        self.paths.step_dir(step).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.paths.sync_request(step), {"step": step, "method": method, "time": time.time()})
+
+    def wait_sync_go(self, step: int, timeout_s: float, poll_s: float = 0.05) -> dict[str, Any]:
+        """The orchestrator's sync.go for `step` ({"urls": [...]}); MailboxTimeout after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            go = _read_json(self.paths.sync_go(step))
+            if go is not None:
+                return go
+            if time.monotonic() > deadline:
+                raise MailboxTimeout(f"step {step}: the orchestrator did not pause the servers within {timeout_s}s")
+            time.sleep(poll_s)
 
     def write_failed(self, step: int, exc: BaseException) -> None:
         self.paths.step_dir(step).mkdir(parents=True, exist_ok=True)
@@ -311,7 +374,7 @@ class LearnerMailbox:
             except ValueError:
                 continue
             if s > step:
-                for name in ("update.done", "update.failed"):
+                for name in ("update.done", "update.failed", "sync.request", "sync.go"):
                     (d / name).unlink(missing_ok=True)
         for d in self.paths.weights_root.glob("step-*"):
             try:
@@ -339,6 +402,7 @@ __all__ = [
     "MailboxError",
     "MailboxPaths",
     "MailboxTimeout",
+    "SyncRequest",
     "UpdateResult",
     "atomic_write_json",
     "atomic_write_text",

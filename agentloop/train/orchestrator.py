@@ -9,7 +9,9 @@ Map:
 
 Synchronous on-policy schedule: every episode of step N is sampled with the weights of step
 N-1; the servers get the new weights (pause -> /update_weights_from_disk -> flush -> resume)
-before step N+1's rollouts start, and each record's `weight_versions` says so.
+before step N+1's rollouts start, and each record's `weight_versions` says so. With
+`learner.weight_sync` tensor|nccl the learner pushes them itself: `_learner_update` pauses the
+servers when the learner asks (mailbox sync.request) and resumes them once it is done.
 
 Resume: the learner resumes from its last checkpoint and reports `next_step` and the data
 position stored with it; the servers load that step's weights before rolling out again. After a
@@ -268,8 +270,31 @@ async def _push_weights(sm: Any, cfg: Config, weights_dir: Path, version: str) -
     return time.monotonic() - t0
 
 
+async def _learner_update(sm: Any, cfg: Config, client: Any, step: int) -> tuple[Any, float, float]:
+    """Wait for the learner's step and get its weights into the servers: (UpdateResult, learner s, sync s).
+
+    disk: the learner saved weights/step-N and we load it. tensor|nccl: the learner asks for paused
+    servers, pushes itself, and we resume the servers whatever happens.
+    """
+    from agentloop.train.mailbox import UpdateResult
+
+    t0 = time.monotonic()
+    ev = await asyncio.to_thread(client.wait_update_or_sync, step, cfg.train.update_timeout_s)
+    t_learn = time.monotonic() - t0
+    if isinstance(ev, UpdateResult):
+        return ev, t_learn, await _push_weights(sm, cfg, ev.weights_dir, str(step))
+    t1 = time.monotonic()
+    await sm.pause(mode=cfg.train.pause_mode)
+    try:
+        client.allow_sync(step, list(sm.urls))
+        upd = await asyncio.to_thread(client.wait_update, step, cfg.train.update_timeout_s)
+    finally:
+        await sm.resume()
+    return upd, t_learn, time.monotonic() - t1
+
+
 async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    from agentloop.train.mailbox import MailboxClient
+    from agentloop.train.mailbox import MailboxClient, MailboxError
 
     loop_cls = get_agent_loop(cfg.rollout.loop)
     train_samples = _data(cfg.train.data_path, cfg.train.builtin)
@@ -329,14 +354,11 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 if not usable:
                     raise TrainingError(f"step {step}: every episode failed; first error: {res.records[0].error}")
                 client.submit(step, usable, data_position=cursor.position)
-                t1 = time.monotonic()
                 try:
-                    upd = await asyncio.to_thread(client.wait_update, step, cfg.train.update_timeout_s)
-                except AgentLoopError as e:
+                    upd, t_learn, t_sync = await _learner_update(sm, cfg, client, step)
+                except MailboxError as e:
                     raise TrainingError(f"learner failed at step {step}: {e}\n--- learner.log tail ---\n"
                                         f"{learner.log_tail()}") from e
-                t_learn = time.monotonic() - t1
-                t_sync = await _push_weights(sm, cfg, upd.weights_dir, str(step))
                 row: dict[str, Any] = {"step": float(step), **rollout_metrics(res.records, "train")}
                 row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
                 # reward_s is summed over episodes and overlaps rollout_s (episodes are scored as they end)
@@ -355,7 +377,7 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                                    "learner/entropy", "train/response_tokens", "val/reward", "val/accuracy"])
                       + f" | rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s",
                       file=sys.stderr, flush=True)
-                final["last_weights"] = str(upd.weights_dir)
+                final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
             client.stop()
     finally:
         if proc.poll() is None:
