@@ -209,8 +209,13 @@ class LocalServer:
             if env.get("PYTHONPATH"):
                 parts.append(env["PYTHONPATH"])
             env["PYTHONPATH"] = os.pathsep.join(parts)
-        elif self.gpu_id is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
+        else:
+            # The weight-update NCCL group (learner + servers, agentloop.train.weight_sync) failed at its
+            # first broadcast with "Cuda failure 'invalid argument'" on an H200 pair while NCCL used
+            # cuMem handles across processes; the legacy IPC path works (0.07 s per 0.5B sync).
+            env.setdefault("NCCL_CUMEM_ENABLE", "0")
+            if self.gpu_id is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
         return env
 
     def start(self) -> LocalServer:

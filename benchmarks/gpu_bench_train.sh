@@ -9,7 +9,7 @@
 #   source .sglang-gpu/install.sh && bash benchmarks/gpu_bench_train.sh
 # (without the bundle it puts the repo on PYTHONPATH itself: the learner bench needs torch + transformers,
 # not sglang). Env: OUT (results folder, default ./bench_out), BT_SEQS (64), BT_PROMPT (256),
-# BT_RESPONSE (768), BT_GROUP (8), BT_WARMUP (2), BT_STEPS (5), BT_TIMEOUT_S (per run, 300),
+# BT_RESPONSE (768), BT_GROUP (8), BT_VARIANTS ("base mbt16k two_minibatches"), BT_WARMUP (2), BT_STEPS (5), BT_TIMEOUT_S (per run, 300),
 # BT_PEAK_TFLOPS (only for GPUs missing from agentloop.bench_train.PEAK_TFLOPS); for a CPU smoke test of
 # the script itself: BT_MODEL=tiny BT_DEVICE=cpu BT_DTYPE=float32 BT_SEQS=4 BT_GROUP=2 BT_PROMPT=8 BT_RESPONSE=8.
 # Writes under $OUT: bench_train_script.log, bench_train_<run>.json / .md / .log, bench_train_summary.md.
@@ -58,9 +58,10 @@ bench() {  # $1 run name, then extra overrides
   fi
 }
 
-bench base learner.micro_batch_tokens=8192
-bench mbt16k learner.micro_batch_tokens=16384
-bench two_minibatches learner.micro_batch_tokens=8192 learner.mini_batches=2
+VARIANTS=" ${BT_VARIANTS:-base mbt16k two_minibatches} "
+[[ $VARIANTS == *" base "* ]] && bench base learner.micro_batch_tokens=8192
+[[ $VARIANTS == *" mbt16k "* ]] && bench mbt16k learner.micro_batch_tokens=16384
+[[ $VARIANTS == *" two_minibatches "* ]] && bench two_minibatches learner.micro_batch_tokens=8192 learner.mini_batches=2
 
 {
   echo "# bench train, $SHAPE, $SEQS x $(( PROMPT + RESPONSE )) tokens per step"

@@ -110,12 +110,15 @@ class LearnerProcess:
         self.cmd = learner_command(run_dir, model_path, nproc=cfg.learner.nproc, config=run_dir / "config.yaml",
                                    resume=cfg.train.resume)
         self.log_path = run_dir / "learner.log"
+        self.weight_sync = cfg.learner.weight_sync
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> subprocess.Popen:
         env = dict(os.environ)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # don't spin on cores the servers need
         env["PYTHONUNBUFFERED"] = "1"
+        if self.weight_sync == "nccl":
+            env.setdefault("NCCL_CUMEM_ENABLE", "0")  # see launcher.LocalServer.environment
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True,
