@@ -207,6 +207,23 @@ def test_on_policy_step_skips_the_old_logprob_pass_with_the_same_update(tiny_mod
     assert_weights_close(w_fast, w_full, atol=1e-6)
 
 
+def test_progress_line_and_curves_name_metrics_the_learner_emits(tiny_model, tmp_path):
+    from agentloop.train.orchestrator import ENTROPY_KEY, KL_KEY, StepLog, _fmt
+
+    learner = Learner(tiny_model, AlgoConfig(kl_coef=0.1), LearnerConfig(device="cpu", lr=1e-3))
+    try:
+        m = learner.train_step(make_records(1, seed=2), 1)
+    finally:
+        learner.close()
+    row = {"step": 1.0, "train/reward": 0.5, **{f"learner/{k}": v for k, v in m.items()}}
+    assert KL_KEY in row and ENTROPY_KEY in row
+    assert "kl " in _fmt(row, [KL_KEY]) and "entropy " in _fmt(row, [ENTROPY_KEY])
+    log = StepLog.__new__(StepLog)  # only the chart code: no TensorBoard, no files but the page
+    log.rows, log.run_dir = [row, {**row, "step": 2.0}], tmp_path
+    page = log.curves().read_text()
+    assert "KL to the reference / entropy" in page and "<polyline" in page.split("KL to the reference")[1]
+
+
 def test_checkpoint_roundtrip_is_exact(tiny_model, tmp_path):
     cfg = LearnerConfig(device="cpu", lr=1e-2, keep_checkpoints=2, mini_batches=2, ppo_epochs=2)
     learner = Learner(tiny_model, AlgoConfig(), cfg)

@@ -227,7 +227,8 @@ class StepLog:
         if any("train/tool_call_rate" in r for r in self.rows):
             charts.append(("tool-call rate", {"train": series("train/tool_call_rate"),
                                               "val": series("val/tool_call_rate")}))
-        charts.append(("KL / entropy", {k: series(k) for k in ("learner/kl", "learner/entropy") if series(k)}))
+        charts.append(("KL to the reference / entropy",
+                       {label: series(k) for k, label in ((KL_KEY, "kl"), (ENTROPY_KEY, "entropy")) if series(k)}))
         charts.append(("response tokens", {"train": series("train/response_tokens")}))
         return write_curves_html(self.run_dir / "curves.html", "agentloop train", charts, str(self.run_dir))
 
@@ -236,12 +237,19 @@ class StepLog:
             self.tb.close()
 
 
+KL_KEY, ENTROPY_KEY = "learner/actor/kl_ref", "learner/actor/entropy"
+"""The learner's metrics (prefixed `learner/` in metrics.jsonl) that the progress line and curves show."""
+
+_PROGRESS_LABELS = {
+    "train/reward": "reward", "train/accuracy": "accuracy", "train/tool_call_rate": "tool calls",
+    KL_KEY: "kl", ENTROPY_KEY: "entropy", "train/response_tokens": "resp len",
+    "val/reward": "val reward", "val/accuracy": "val accuracy", "val/tool_call_rate": "val tool calls",
+}
+"""Progress-line fields: metrics key -> label (keys missing from a row are left out)."""
+
+
 def _fmt(row: dict[str, float], keys: list[str]) -> str:
-    parts = []
-    for k in keys:
-        if k in row:
-            parts.append(f"{k.split('/', 1)[-1]} {row[k]:.3g}")
-    return " | ".join(parts)
+    return " | ".join(f"{_PROGRESS_LABELS.get(k, k)} {row[k]:.3g}" for k in keys if k in row)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -376,8 +384,8 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 log.curves()
                 bar = "#" * int(24 * step / cfg.train.steps)
                 print(f"[{bar:<24}] step {step}/{cfg.train.steps} | "
-                      + _fmt(row, ["train/reward", "train/accuracy", "train/tool_call_rate", "learner/kl",
-                                   "learner/entropy", "train/response_tokens", "val/reward", "val/accuracy"])
+                      + _fmt(row, ["train/reward", "train/accuracy", "train/tool_call_rate", KL_KEY,
+                                   ENTROPY_KEY, "train/response_tokens", "val/reward", "val/accuracy"])
                       + f" | rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s",
                       file=sys.stderr, flush=True)
                 final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
