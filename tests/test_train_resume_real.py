@@ -275,3 +275,60 @@ def test_step_log_resume_at(tmp_path):
     # nothing survives a restart from scratch (the step-0 validation line is written again)
     log.resume_at(1, paths)
     assert log.rows == [] and _lines(metrics) == []
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path, tmp_path):
+    """SIGINT to the command's process group (a terminal's Ctrl-C) mid-run: exit 130 within seconds,
+    the learner gone, the server serving (not left paused), and the last checkpoint resumes."""
+    url = sglang_server.url
+    run_dir = tmp_path / "run"
+    overrides = ["train.steps=3", "train.prompts_per_step=2", "rollout.n_samples=2", "train.val_every=0",
+                 "sampling.max_new_tokens=6", "learner.checkpoint_every=1", "train.tensorboard=false",
+                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300"]
+    cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
+           "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
+           *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log_path, log2_path = tmp_path / "run1.log", tmp_path / "run2.log"
+    procs: list[subprocess.Popen] = []
+    learner_pids: list[int] = []
+    try:
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append(proc)
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-000001" / "meta.json").is_file():
+            assert proc.poll() is None, f"run exited ({proc.returncode}) early:\n{_tail(log_path)}"
+            assert time.monotonic() < deadline, f"no checkpoint 1 after 300 s:\n{_tail(log_path)}"
+            time.sleep(0.02)
+        learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        stop_s = time.monotonic() - t0
+        assert rc == 130, f"exit {rc}:\n{_tail(log_path)}"
+        assert stop_s < 30, f"took {stop_s:.1f}s to stop"
+        assert _wait_dead(learner_pids[0], 15), "the learner outlived Ctrl-C"
+        # the server was resumed if the interrupt hit a paused weight push: it still generates
+        assert len(asyncio.run(_server_logprobs(url, FIXED))) == len(FIXED) - 1
+
+        with log2_path.open("wb") as log:
+            second = subprocess.Popen(cmd + ["train.resume=true"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        procs.append(second)
+        rc2 = second.wait(timeout=300)
+        assert rc2 == 0, f"resumed run failed ({rc2}):\n{_tail(log2_path)}"
+        learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
+    finally:
+        for p in procs:
+            _killpg(p.pid)
+        for pid in learner_pids:
+            _killpg(pid)
+        asyncio.run(_load(url, str(tiny_model_path)))
+    assert "resumed at step" in log2_path.read_text()
+    rows = [json.loads(ln) for ln in _lines(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert [read_meta(p).step for p in list_checkpoints(run_dir / "checkpoints")][-1] == 3
+    assert not any(_alive(pid) for pid in learner_pids)
