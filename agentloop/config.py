@@ -198,6 +198,11 @@ class TrainConfig(Section):
     """Deadline for one learner update (from batch submitted to weights saved)."""
     tensorboard: bool = True
     """Also write TensorBoard event files (when the tensorboard package is installed)."""
+    wandb_project: str | None = None
+    """Also log every step's metrics to Weights & Biases under this project (needs `pip install
+    wandb`; WANDB_MODE=offline works without an account). None: off."""
+    wandb_run_name: str | None = None
+    """W&B run name (default: the run directory's name); a resumed run continues the same W&B run."""
     resume: bool = True
     """Continue from the learner's last checkpoint in run_dir when there is one."""
 

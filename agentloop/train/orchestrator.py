@@ -189,6 +189,7 @@ class StepLog:
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 self.tb = None
+        self.wandb = _start_wandb(cfg, run_dir) if cfg.train.wandb_project else None
 
     def resume_at(self, first: int, paths: Any) -> None:
         """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
@@ -217,6 +218,9 @@ class StepLog:
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, int(row["step"]))
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
+                           step=int(row["step"]))
 
     def curves(self) -> Path:
         def series(key: str) -> list[tuple[float, float]]:
@@ -235,6 +239,23 @@ class StepLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _start_wandb(cfg: Config, run_dir: Path) -> Any:
+    """A W&B run for `train.wandb_project`, resumable: its id is kept in the run dir."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("train.wandb_project is set but the wandb package is not installed "
+                          "(pip install wandb; or unset train.wandb_project)") from e
+    id_file = run_dir / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=cfg.train.wandb_project, name=cfg.train.wandb_run_name or run_dir.name, id=run_id,
+                      resume="allow", dir=str(run_dir), config=cfg.model_dump(mode="json"))
 
 
 KL_KEY, ENTROPY_KEY = "learner/actor/kl_ref", "learner/actor/entropy"
