@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 from urllib.parse import urlparse
 
 from agentloop.errors import AgentLoopError
@@ -434,6 +434,34 @@ class WeightSync:
     def close(self, urls: Sequence[str] = ()) -> None:
         """Release what the path holds (a process group); best effort."""
 
+    @staticmethod
+    def _flat_buckets(model: Any, buckets: list[list[ParamMeta]], dtype: Any, device: Any, rank: int,
+                      gather_s: list[float], *, sync_cuda: bool = False) -> Iterator[tuple[int, Any]]:
+        """Gather every bucket on every rank (collective); on rank 0 yield (index, flattened bucket).
+
+        The time spent gathering and flattening is added to `gather_s[0]`. The generator drops its
+        reference when resumed; the caller drops its own before asking for the next bucket, so only
+        one bucket is alive at a time. `sync_cuda`: wait for the
+        gather and the concatenation before yielding (a reader through CUDA IPC does not order
+        against our stream).
+        """
+        import torch
+
+        for i, bucket in enumerate(buckets):
+            t = time.perf_counter()
+            tensors = gather_bucket(model, bucket, dtype, device)
+            if rank != 0:
+                del tensors
+                gather_s[0] += time.perf_counter() - t
+                continue
+            flat = flatten_bucket(tensors)
+            del tensors
+            if sync_cuda and flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
+            gather_s[0] += time.perf_counter() - t
+            yield i, flat
+            del flat
+
 
 SYNCS: dict[str, type[WeightSync]] = {}
 
@@ -485,32 +513,19 @@ class TensorSync(WeightSync):
 
     def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
              version: str | None) -> dict[str, float]:
-        import torch
-
         t0 = time.perf_counter()
         buckets = plan_buckets(param_metas(model, dtype), self.bucket_bytes)
         if rank == 0:
             for u in urls:
                 if u not in self._tp:
                     self._tp[u] = server_tp_size(u, self.timeout_s)
-        t_gather = t_send = 0.0
+        gather_s, t_send = [0.0], 0.0
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            for i, bucket in enumerate(buckets):
+            # The server reads the memory through the IPC handle with no ordering against our
+            # stream beyond torch's sharing event: the gather and the concatenation finish first.
+            for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s, sync_cuda=True):
                 t = time.perf_counter()
-                tensors = gather_bucket(model, bucket, dtype, device)
-                if rank != 0:
-                    del tensors
-                    t_gather += time.perf_counter() - t
-                    continue
-                flat = flatten_bucket(tensors)
-                del tensors
-                meta = bucket_metadata(bucket)
-                # The server reads the memory through the IPC handle with no ordering against our
-                # stream beyond torch's sharing event: finish the gather and the concatenation first.
-                if flat.is_cuda:
-                    torch.cuda.current_stream(flat.device).synchronize()
-                t_gather += time.perf_counter() - t
-                t = time.perf_counter()
+                meta = bucket_metadata(buckets[i])
                 last = i == len(buckets) - 1
                 futures = [pool.submit(post_json, u, "/update_weights_from_tensor",
                                        tensor_payload([serialize_cuda_bucket(flat, meta) for _ in range(self._tp[u])],
@@ -518,9 +533,9 @@ class TensorSync(WeightSync):
                            for u in urls]
                 _gather_calls(pool, futures, self.timeout_s)
                 # `flat` must outlive the calls: the servers copy out of it through the IPC handles.
-                del flat
+                del flat  # before the next bucket is gathered (the generator drops its own reference)
                 t_send += time.perf_counter() - t
-        return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": t_gather, "sync/send_s": t_send,
+        return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0], "sync/send_s": t_send,
                 "sync/buckets": float(len(buckets))}
 
 
@@ -571,29 +586,20 @@ class NcclSync(WeightSync):
         buckets = plan_buckets(param_metas(model, dtype), self.bucket_bytes)
         if rank == 0 and (self.group is None or tuple(urls) != self._urls):
             metrics["sync/init_group_s"] = self._init_group(urls)
-        t_gather = t_send = 0.0
+        gather_s, t_send = [0.0], 0.0
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            for i, bucket in enumerate(buckets):
-                t = time.perf_counter()
-                tensors = gather_bucket(model, bucket, dtype, device)
-                if rank != 0:
-                    del tensors
-                    t_gather += time.perf_counter() - t
-                    continue
-                flat = flatten_bucket(tensors)
-                del tensors
-                t_gather += time.perf_counter() - t
+            for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s):
                 t = time.perf_counter()
                 assert self.group is not None
-                body = distributed_payload(bucket, self.group.name, last=i == len(buckets) - 1, version=version)
+                body = distributed_payload(buckets[i], self.group.name, last=i == len(buckets) - 1, version=version)
                 # The servers join the broadcast from inside the HTTP handler, so the calls go first
                 # and stay in flight while rank 0 sends.
                 futures = [pool.submit(post_json, u, "/update_weights_from_distributed", body, self.timeout_s)
                            for u in urls]
                 self._broadcast_while(flat, pool, futures)
-                del flat
+                del flat  # before the next bucket is gathered (the generator drops its own reference)
                 t_send += time.perf_counter() - t
-        metrics.update({"sync/total_s": time.perf_counter() - t0, "sync/gather_s": t_gather,
+        metrics.update({"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0],
                         "sync/send_s": t_send, "sync/buckets": float(len(buckets))})
         return metrics
 
