@@ -448,12 +448,18 @@ def format_learner(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _phase_cells(p: dict[str, Any]) -> tuple[str, str]:
+    """(seconds, share) of one split phase as text; '-' where unknown."""
+    sec = "-" if p["seconds"] is None else f"{p['seconds']:.3f}"
+    share = "-" if p["share"] is None else f"{100 * p['share']:.1f}%"
+    return sec, share
+
+
 def format_split(s: dict[str, Any], title: str = "") -> str:
     head = f"{'phase':<22} {'seconds':>9} {'share':>7}"
     lines = [f"step time split{title}: mean of steps {s['steps']}, step {s['step_s']:.2f} s", head, "-" * len(head)]
     for name, p in s["phases"].items():
-        sec = "-" if p["seconds"] is None else f"{p['seconds']:.3f}"
-        share = "-" if p["share"] is None else f"{100 * p['share']:.1f}%"
+        sec, share = _phase_cells(p)
         lines.append(f"{name:<22} {sec:>9} {share:>7}")
     lines.append("(reward is summed over episodes and overlaps rollout; learner: rows split the learner's time)")
     return "\n".join(lines)
@@ -478,8 +484,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         out += [f"Step time split, mean of steps {s['steps']} (step {s['step_s']:.2f} s); reward overlaps rollout.",
                 "", "| phase | seconds | share of step |", "|---|---|---|"]
         for name, p in s["phases"].items():
-            sec = "-" if p["seconds"] is None else f"{p['seconds']:.3f}"
-            share = "-" if p["share"] is None else f"{100 * p['share']:.1f}%"
+            sec, share = _phase_cells(p)
             out.append(f"| {name} | {sec} | {share} |")
         out.append("")
     return "\n".join(out)
