@@ -300,18 +300,21 @@ class Learner:
 
         t1 = time.perf_counter()
         recompute = algo.old_logprobs == "recompute"
-        on_policy = recompute and not old_logprob_pass(algo, cfg)
-        if (recompute and not on_policy) or self.ref_model is not None:
+        old_pass = old_logprob_pass(algo, cfg)
+        on_policy = recompute and not old_pass
+        if old_pass or self.ref_model is not None:
             with torch.no_grad():
                 for mbs in plans:
                     for mb in mbs:
-                        if recompute and not on_policy:
+                        if old_pass:
                             mb.old_logprobs, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
                         if self.ref_model is not None:
                             mb.ref_logprobs, _ = self._forward(self.ref_model, mb, entropy=False, entropy_grad=False)
+        if old_pass:
             # FSDP2 keeps the root's parameters (embeddings, tied lm_head, final norm) unsharded after a
             # forward; ones gathered under no_grad then serve the loss pass, and the tied weight's
             # gradient came out wrong (test_on_policy_step_skips_...: 14-57% off an unsharded reference).
+            # The reference model is never trained, so its no-grad pass needs no reshard.
             self._reshard()
 
         t2 = time.perf_counter()
