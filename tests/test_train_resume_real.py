@@ -97,6 +97,15 @@ def _optimizer_steps(ckpt: Path, tmp: Path) -> set[float]:
     return {float(s["step"]) for s in state.values()}
 
 
+def _stop_all(procs: list, learner_pids: list[int], url: str, model_path: Path) -> None:
+    """Kill whatever a test started and give the shared server its original weights back."""
+    for p in procs:
+        _killpg(p.pid)
+    for pid in learner_pids:
+        _killpg(pid)
+    asyncio.run(_load(url, str(model_path)))
+
+
 def _run_until(cmd: list[str], env: dict[str, str], log_path: Path, procs: list, until, what: str) -> int:
     """Start `cmd` in a session of its own; once `until()` holds, SIGKILL its process group and
     return the learner's pid (read from learner.json before the kill)."""
@@ -187,11 +196,7 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
         after = asyncio.run(_server_logprobs(url, FIXED))
         learner_lp = _hf_logprobs(run_dir / "weights" / f"step-{STEPS:06d}", FIXED)
     finally:
-        for p in procs:
-            _killpg(p.pid)
-        for pid in learner_pids:
-            _killpg(pid)
-        asyncio.run(_load(url, str(tiny_model_path)))
+        _stop_all(procs, learner_pids, url, tiny_model_path)
     print(f"total {time.monotonic() - t0:.1f}s")
     restored = asyncio.run(_server_logprobs(url, FIXED))
     assert max(abs(a - b) for a, b in zip(before, restored)) < 1e-4
@@ -322,11 +327,7 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
         assert rc2 == 0, f"resumed run failed ({rc2}):\n{_tail(log2_path)}"
         learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
     finally:
-        for p in procs:
-            _killpg(p.pid)
-        for pid in learner_pids:
-            _killpg(pid)
-        asyncio.run(_load(url, str(tiny_model_path)))
+        _stop_all(procs, learner_pids, url, tiny_model_path)
     assert "resumed at step" in log2_path.read_text()
     rows = [json.loads(ln) for ln in _lines(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
