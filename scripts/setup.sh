@@ -4,10 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# sglang brings torch and its CUDA libraries: ~11 GB in .venv. Fail before installing, naming the
+# shortfall, rather than halfway through pip with "No space left on device".
+NEED_GB=${AGENTLOOP_SETUP_NEED_GB:-13}
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import sglang" 2>/dev/null; then
+    free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+    if [ "$free_kb" -lt $((NEED_GB * 1024 * 1024)) ]; then
+        echo "setup: only $((free_kb / 1024 / 1024)) GB free on $(df -P . | awk 'NR==2 {print $6}');" \
+             "installing sglang + torch into .venv needs about ${NEED_GB} GB." >&2
+        exit 1
+    fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[sglang,dev]"
+# --no-cache-dir: a wheel cache would hold a second copy of several GB of wheels.
+.venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
+.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev]"
 .venv/bin/python -c "import sglang, torch, agentloop; print('agentloop', agentloop.__version__, '| sglang', sglang.__version__, '| torch', torch.__version__)"
 .venv/bin/agentloop build-model
