@@ -12,7 +12,7 @@ Modes:
 Map:
     TrainBenchConfig     the learner bench's settings (CLI flags map onto it; it goes to torchrun ranks as JSON)
     synthetic_records    EpisodeRecords in the learner's input format
-    flop_params, sequence_flops, step_flops, peak_tflops    the FLOP model and the peak table
+    flop_params, sequence_flops, step_flops(_from_sums), peak_tflops    the FLOP model and the peak table
     learner_bench        warmup + timed train_steps on this rank; rank 0 returns the report
     step_split           time split of metrics.jsonl rows
     format_*, write_outputs, run_bench_train               tables, files, the CLI entry
@@ -31,7 +31,9 @@ The attention term is the QK^T and AV matmuls without causal halving, as in PaLM
 most reports). A step runs `ppo_epochs` training passes, plus one forward pass when
 the old logprobs are recomputed in a pass of their own (`learner.old_logprob_pass`: not for one
 epoch of one mini-batch, where the loss pass's detached logprobs are the old ones) and one more (the reference model) when `algo.kl_coef > 0`; these
-forward passes are the algorithm's, so they count as model FLOPs. Padding is not counted (the
+forward passes are the algorithm's, so they count as model FLOPs. With shared prompts
+(`learner.share_prompt`) the sums run over the rows the learner ran (a prompt once, then its
+responses), so the dense attention over a shared row counts L_row^2. Padding is not counted (the
 synthetic sequences have equal lengths, so there is none). Activation recomputation
 (`learner.gradient_checkpointing`) is not counted: it is work, not model FLOPs.
     MFU = step FLOPs / step wall time / (ranks * peak dense bf16 FLOP/s per GPU)
@@ -167,8 +169,16 @@ def sequence_flops(n_params: int, layers: int, hidden: int, seq_len: int, *, bac
 def step_flops(n_params: int, layers: int, hidden: int, seq_lens: list[int], *, train_passes: int = 1,
                forward_passes: int = 0) -> dict[str, float]:
     """Model FLOPs of one step over sequences of `seq_lens` input tokens: train, forward, total."""
-    train = train_passes * sum(sequence_flops(n_params, layers, hidden, s, backward=True) for s in seq_lens)
-    fwd = forward_passes * sum(sequence_flops(n_params, layers, hidden, s, backward=False) for s in seq_lens)
+    return step_flops_from_sums(n_params, layers, hidden, float(sum(seq_lens)), float(sum(s * s for s in seq_lens)),
+                                train_passes=train_passes, forward_passes=forward_passes)
+
+
+def step_flops_from_sums(n_params: int, layers: int, hidden: int, tokens: float, tokens_sq: float, *,
+                         train_passes: int = 1, forward_passes: int = 0) -> dict[str, float]:
+    """`step_flops` from the sum of row lengths and the sum of their squares (the FLOP model is
+    linear in both), for rows that are not one sequence each (shared prompts)."""
+    train = train_passes * (6.0 * n_params * tokens + 12.0 * layers * hidden * tokens_sq)
+    fwd = forward_passes * (2.0 * n_params * tokens + 4.0 * layers * hidden * tokens_sq)
     return {"train": train, "forward": fwd, "total": train + fwd}
 
 
@@ -268,13 +278,24 @@ def learner_bench(bench: TrainBenchConfig, model_path: str | Path, algo: Any, cf
 def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]], n_params: int, load_s: float,
             device_name: str, *, peak_mem: list[float], model_path: str) -> dict[str, Any]:
     algo, cfg, hf = learner.algo, learner.cfg, learner.hf_config
+
+    def mean_of(key: str) -> float | None:
+        vals = [s[key] for s in steps if key in s]
+        return sum(vals) / len(vals) if vals else None
+
     seq = bench.prompt_tokens + bench.response_tokens - 1
     seq_lens = [seq] * bench.sequences
     from agentloop.train.learner import old_logprob_pass
 
     fwd_passes = int(old_logprob_pass(algo, cfg)) + int(algo.kl_coef > 0)
-    flops = step_flops(n_params, hf.num_hidden_layers, hf.hidden_size, seq_lens, train_passes=cfg.ppo_epochs,
-                       forward_passes=fwd_passes)
+    # FLOPs of the rows the learner ran: with shared prompts (learner.share_prompt) a row holds a
+    # prompt once and several responses, so the work is less than per-episode rows would need.
+    computed = mean_of("batch/computed_tokens")
+    computed_sq = mean_of("batch/computed_tokens_sq")
+    if computed is None or computed_sq is None:
+        computed, computed_sq = float(sum(seq_lens)), float(sum(n * n for n in seq_lens))
+    flops = step_flops_from_sums(n_params, hf.num_hidden_layers, hf.hidden_size, computed, computed_sq,
+                                 train_passes=cfg.ppo_epochs, forward_passes=fwd_passes)
     walls = sorted(s["wall_s"] for s in steps)
     mean = sum(walls) / len(walls)
     tokens = sum(seq_lens)
@@ -283,10 +304,6 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
     peak = peak_tflops(device_name if cuda else None, bench.peak_tflops)
     achieved = flops["total"] / mean / learner.world  # per device
     mfu = achieved / (peak * 1e12) if peak else None
-
-    def mean_of(key: str) -> float | None:
-        vals = [s[key] for s in steps if key in s]
-        return sum(vals) / len(vals) if vals else None
 
     return {
         "mode": "learner",
@@ -297,11 +314,13 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
         "algo": {"estimator": algo.estimator, "old_logprobs": algo.old_logprobs, "kl_coef": algo.kl_coef,
                  "loss_agg_mode": algo.loss_agg_mode},
         "learner": {"micro_batch_tokens": cfg.micro_batch_tokens, "mini_batches": cfg.mini_batches,
+                    "share_prompt": cfg.share_prompt,
                     "ppo_epochs": cfg.ppo_epochs, "gradient_checkpointing": cfg.gradient_checkpointing},
         "model_shape": {"matmul_params": n_params, "layers": hf.num_hidden_layers, "hidden": hf.hidden_size,
                         "vocab": hf.vocab_size},
         "load_s": load_s,
         "tokens_per_step": tokens, "response_tokens_per_step": response,
+        "computed_tokens_per_step": computed, "shared_rows_per_step": mean_of("batch/shared_rows"),
         "step_s": {"mean": mean, "min": walls[0], "max": walls[-1], "all": [s["wall_s"] for s in steps]},
         "tokens_per_s": tokens * cfg.ppo_epochs / mean,
         "response_tokens_per_s": response * cfg.ppo_epochs / mean,
@@ -436,6 +455,9 @@ def format_learner(r: dict[str, Any]) -> str:
         f"bench train (learner): {r['model']} on {r['ranks']} x {r['device']} ({r['dtype']}), "
         f"{b['sequences']} seqs x ({b['prompt_tokens']} prompt + {b['response_tokens']} response) tokens, "
         f"group {b['group_size']}, micro_batch_tokens {r['learner']['micro_batch_tokens']}",
+        f"  rows               share_prompt {r['learner'].get('share_prompt', 'off')}: "
+        f"{r.get('computed_tokens_per_step') or r['tokens_per_step']:,.0f} tokens computed of "
+        f"{r['tokens_per_step']:,} in the episodes, {r.get('shared_rows_per_step') or 0:g} shared rows",
         f"  step time          {r['step_s']['mean']:.3f} s mean of {len(r['step_s']['all'])} "
         f"(min {r['step_s']['min']:.3f}, max {r['step_s']['max']:.3f}); model load {r['load_s']:.1f} s",
         f"  tokens/s           {r['tokens_per_s']:,.0f} total, {r['response_tokens_per_s']:,.0f} response (mask 1)",
@@ -473,11 +495,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         mem = r["peak_memory_gib"]
         mem_s = f"{mem['allocated']:.2f} GiB alloc" if "allocated" in mem else f"{mem['rss']:.2f} GiB RSS"
         b = r["bench"]
-        out += ["| model | device | ranks | dtype | seqs x len | step s | tok/s | response tok/s | TFLOP/s/dev | "
-                "MFU | peak mem |",
-                "|---|---|---|---|---|---|---|---|---|---|---|",
+        share = r["learner"].get("share_prompt", "off")
+        computed = r.get("computed_tokens_per_step") or r["tokens_per_step"]
+        out += ["| model | device | ranks | dtype | seqs x len | share_prompt | computed tokens | step s | tok/s | "
+                "response tok/s | TFLOP/s/dev | MFU | peak mem |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
                 f"| {r['model']} | {r['device']} | {r['ranks']} | {r['dtype']} | {b['sequences']} x "
-                f"{b['prompt_tokens'] + b['response_tokens']} | {r['step_s']['mean']:.3f} | {r['tokens_per_s']:,.0f} | "
+                f"{b['prompt_tokens'] + b['response_tokens']} | {share} | {computed:,.0f} of {r['tokens_per_step']:,} | "
+                f"{r['step_s']['mean']:.3f} | {r['tokens_per_s']:,.0f} | "
                 f"{r['response_tokens_per_s']:,.0f} | {r['achieved_tflops_per_device']:.3g} | {mfu} | {mem_s} |", ""]
     if "split" in report:
         s = report["split"]

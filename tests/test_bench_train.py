@@ -105,12 +105,14 @@ def test_synthetic_batch_shape_and_masks():
         TrainBenchConfig(response_tokens=4, env_tokens=4)
 
 
-def test_learner_bench_tiny_model_cpu(tmp_path, capsys):
+@pytest.mark.parametrize("share", ["off", "on"])
+def test_learner_bench_tiny_model_cpu(tmp_path, capsys, share):
     out = tmp_path / "report.json"
     rc = main(["bench", "train", "--model", "tiny", "--bench-sequences", "4", "--bench-group-size", "2",
                "--bench-prompt-tokens", "16", "--bench-response-tokens", "16", "--bench-env-tokens", "4",
                "--bench-warmup", "0", "--bench-steps", "2", "--peak-tflops", "0.5", "--out", str(out),
-               f"runs_dir={tmp_path / 'runs'}", "learner.device=cpu", "learner.micro_batch_tokens=64"])
+               f"runs_dir={tmp_path / 'runs'}", "learner.device=cpu", "learner.micro_batch_tokens=64",
+               f"learner.share_prompt={share}"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "MFU" in printed
@@ -123,9 +125,14 @@ def test_learner_bench_tiny_model_cpu(tmp_path, capsys):
     assert r["tokens_per_step"] == 4 * 31 and r["response_tokens_per_step"] == 4 * 12
     assert r["step_s"]["mean"] > 0 and r["tokens_per_s"] == pytest.approx(4 * 31 / r["step_s"]["mean"])
     assert r["response_tokens_per_s"] == pytest.approx(4 * 12 / r["step_s"]["mean"])
-    assert r["episodes_per_step"] == 4 and r["micro_batches_per_step"] == 2  # 2 x 31 tokens fit in 64
+    # off: a row per episode, 2 x 31 tokens fit in 64. on: a row per group, the 15 prompt positions
+    # once and then both 16-token responses (47 tokens), one such row per micro-batch.
+    rows = [31] * 4 if share == "off" else [47] * 2
+    assert r["episodes_per_step"] == 4 and r["micro_batches_per_step"] == 2
+    assert r["computed_tokens_per_step"] == sum(rows) and r["shared_rows_per_step"] == (share == "on") * 2
+    assert f"| {share} | {sum(rows)} of 124 |" in (run_dir / "bench_train.md").read_text()
     shape = r["model_shape"]
-    expect = step_flops(shape["matmul_params"], shape["layers"], shape["hidden"], [31] * 4, forward_passes=0)
+    expect = step_flops(shape["matmul_params"], shape["layers"], shape["hidden"], rows, forward_passes=0)
     assert r["flops_per_step"] == expect  # one epoch of one mini-batch: no separate old-logprob pass
     assert r["mfu"] == pytest.approx(expect["total"] / r["step_s"]["mean"] / 0.5e12)
     assert 0 < r["mfu"] < 1 and r["peak_memory_gib"]["rss"] > 0

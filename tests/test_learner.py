@@ -177,6 +177,35 @@ def test_micro_batching_matches_full_batch_update(tiny_model, tmp_path, mode):
     assert_weights_close(w_big, w_small, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prompt_rows_give_the_same_logprobs_and_update(tiny_model, tmp_path, mode):
+    """learner.share_prompt=on (a GRPO group's prompt once per row, a 4-D mask) vs off (a row per
+    episode): same logprobs, loss, KL, entropy and weights, with fewer tokens computed. Two mini-batches,
+    so the old-logprob pass and the reference pass run on shared rows too."""
+    algo = AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01)
+    recs = make_records(1, seed=7, groups=3, n=4)
+    results = {}
+    for share in ("off", "on"):
+        cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None, micro_batch_tokens=40,
+                            mini_batches=2, share_prompt=share)
+        learner = Learner(tiny_model, algo, cfg)
+        try:
+            lps = learner.compute_logprobs(recs)
+            m = learner.train_step(recs, 1)
+            results[share] = (lps, m, learner.save_hf(tmp_path / f"w-{share}"))
+        finally:
+            learner.close()
+    (lp_off, off, w_off), (lp_on, on, w_on) = results["off"], results["on"]
+    for a, b in zip(lp_off, lp_on):
+        assert b == pytest.approx(a, abs=1e-5)
+    assert on["batch/shared_rows"] > 0 and off["batch/shared_rows"] == 0
+    assert on["batch/computed_tokens"] < off["batch/computed_tokens"]
+    assert off["batch/prompt_share_saving"] == 0 < on["batch/prompt_share_saving"]
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy", "actor/clip_frac"):
+        assert on[k] == pytest.approx(off[k], rel=1e-4, abs=1e-6), k
+    assert_weights_close(w_off, w_on, atol=1e-5)
+
+
 def test_on_policy_step_skips_the_old_logprob_pass_with_the_same_update(tiny_model, tmp_path, monkeypatch):
     """One epoch of one mini-batch: the loss pass's own logprobs stand in for the recomputed ones.
 

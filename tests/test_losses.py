@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 
-from agentloop.train.batching import Episode, collate, pack_greedy, plan_micro_batches, shard_for_rank
+from agentloop.train.batching import (
+    Episode,
+    RowCost,
+    collate,
+    collate_shared,
+    pack_greedy,
+    plan_micro_batches,
+    shard_for_rank,
+    share_items,
+)
 from agentloop.train.config import AlgoConfig
 from agentloop.train.losses import Stats, aggregate, kl_estimate, policy_loss, token_weights
 
@@ -125,10 +134,28 @@ def _fake_logp(mb):
     return -0.01 * mb.targets.float() - 0.001 * mb.position_ids.float()
 
 
+def _group_episodes(groups=3, n=4, seed=1):
+    """GRPO-like groups: the episodes of a group share their prompt tokens."""
+    g = torch.Generator().manual_seed(seed)
+    eps = []
+    for k in range(groups):
+        p = int(torch.randint(2, 6, (1,), generator=g))
+        prompt = torch.randint(0, 50, (p,), generator=g).tolist()
+        for j in range(n):
+            r = int(torch.randint(1, 7, (1,), generator=g))
+            mask = torch.randint(0, 2, (r,), generator=g).tolist()
+            mask[0] = 1
+            resp = torch.randint(0, 50, (r,), generator=g).tolist()
+            lps = [(-0.1 * (t + 1) if m else 0.0) for t, m in enumerate(mask)]
+            eps.append(Episode(prompt + resp, p, mask, lps, advantage=float(j) - 1.5 + k, reward=0.0))
+    return eps
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world", [1, 2])
-def test_micro_batch_accumulation_equals_full_batch(mode, world):
-    eps = _episodes()
+@pytest.mark.parametrize("share", ["off", "on"])
+def test_micro_batch_accumulation_equals_full_batch(mode, world, share):
+    eps = _episodes() + _group_episodes()
     idxs = list(range(len(eps)))
     cfg = AlgoConfig(loss_agg_mode=mode, old_logprobs="rollout", tis_cap=None)
     full = plan_micro_batches(eps, idxs, mode, budget=10_000)
@@ -139,16 +166,70 @@ def test_micro_batch_accumulation_equals_full_batch(mode, world):
     ratio = torch.exp(_fake_logp(f) - f.rollout_logprobs)
     per_tok = torch.maximum(-f.advantages * ratio, -f.advantages * ratio.clamp(0.8, 1.28))
     assert float(ref_loss) == pytest.approx(float(aggregate(per_tok, f.loss_mask, mode)), rel=1e-6)
-    total, n_mb = 0.0, []
+    total, n_mb, shared_any = 0.0, [], False
     for rank in range(world):
-        mbs = plan_micro_batches(eps, idxs, mode, budget=9, rank=rank, world=world)
+        mbs = plan_micro_batches(eps, idxs, mode, budget=9, rank=rank, world=world, share=share)
         n_mb.append(len(mbs))
         for mb in mbs:
-            assert mb.num_tokens <= 9 or len(mb.episode_ids) == 1
+            assert mb.tokens <= 9 or len(mb.episode_ids) == 1
+            shared_any = shared_any or mb.shared
             total += float(policy_loss(_fake_logp(mb), mb.rollout_logprobs, mb.advantages, mb.loss_mask,
                                        mb.weights, cfg).loss)
     assert len(set(n_mb)) == 1  # every rank runs the same number of micro-batches
     assert total == pytest.approx(float(ref_loss), rel=1e-6)
+    assert shared_any == (share == "on")
+
+
+def test_share_items_groups_identical_prompts_and_respects_the_budget():
+    eps = _group_episodes(groups=2, n=4)
+    p0 = eps[0].prompt_len - 1
+    items = share_items(eps, list(range(8)), budget=1000, share="on")
+    assert items == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert share_items(eps, [3, 1, 6], budget=1000, share="off") == [[1], [3], [6]]
+    # a budget that fits two responses: the group is cut into chunks, each with the prompt again
+    two = p0 + sorted((e.length - p0 for e in eps[:4]), reverse=True)[0] * 2
+    chunks = [it for it in share_items(eps, [0, 1, 2, 3], budget=two, share="on")]
+    assert sorted(i for it in chunks for i in it) == [0, 1, 2, 3] and len(chunks) >= 2
+    for it in chunks:
+        assert p0 + sum(eps[i].length - p0 for i in it) <= two or len(it) == 1
+    # same group id is not enough: the prompt tokens must be equal
+    other = Episode([9, 9] + eps[1].ids[eps[1].prompt_len:], 2, eps[1].response_mask, eps[1].rollout_logprobs, 0.0, 0.0)
+    assert share_items([eps[0], other], [0, 1], budget=1000, share="on") == [[0], [1]]
+    # auto weighs the attention over the row against the tokens saved
+    assert share_items(eps, [0, 1, 2, 3], budget=1000, share="auto", cost=RowCost(1.0, 0.0)) == [[0, 1, 2, 3]]
+    assert share_items(eps, [0, 1, 2, 3], budget=1000, share="auto",
+                       cost=RowCost(1.0, 1e6)) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="RowCost"):
+        share_items(eps, [0, 1], budget=1000, share="auto")
+
+
+def test_collate_shared_layout():
+    a = Episode(ids=[10, 11, 12, 20, 21], prompt_len=3, response_mask=[1, 1],
+                rollout_logprobs=[-0.5, -0.6], advantage=2.0, reward=1.0)
+    b = Episode(ids=[10, 11, 12, 30, 31, 32], prompt_len=3, response_mask=[1, 0, 1],
+                rollout_logprobs=[-0.1, 0.0, -0.3], advantage=-1.0, reward=0.0)
+    mb = collate_shared([a, b], [[0, 1]], "seq-mean-token-mean", num_tokens=4, num_seqs=2)
+    # prompt positions 0..1 once, then segment a = [12, 20] and segment b = [12, 30, 31], then nothing
+    assert mb.input_ids.tolist() == [[10, 11, 12, 20, 12, 30, 31]]
+    assert mb.targets.tolist() == [[11, 12, 20, 21, 30, 31, 32]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4]]
+    assert mb.loss_mask.tolist() == [[0, 0, 1, 1, 1, 0, 1]]
+    assert mb.advantages.tolist() == [[0, 0, 2.0, 2.0, -1.0, 0, -1.0]]
+    assert mb.weights.tolist()[0] == pytest.approx([0, 0, 0.25, 0.25, 0.25, 0, 0.25])
+    assert mb.spans == [(0, 2, 2), (0, 4, 3)] and mb.episode_ids == [0, 1] and mb.row_lengths == [7]
+    m = mb.attention_mask[0, 0].int().tolist()
+    assert m == [[1, 0, 0, 0, 0, 0, 0],
+                 [1, 1, 0, 0, 0, 0, 0],
+                 [1, 1, 1, 0, 0, 0, 0],  # segment a sees the prompt and itself
+                 [1, 1, 1, 1, 0, 0, 0],
+                 [1, 1, 0, 0, 1, 0, 0],  # segment b never sees segment a
+                 [1, 1, 0, 0, 1, 1, 0],
+                 [1, 1, 0, 0, 1, 1, 1]]
+    # with a shorter row beside it, padding positions attend to themselves only (no NaN in SDPA)
+    mb2 = collate_shared([a, b], [[0, 1], [0]], "token-mean", num_tokens=4, num_seqs=2)
+    pad = mb2.attention_mask[1, 0]
+    assert mb2.row_lengths == [7, 4] and pad[4:].int().tolist() == [[0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1, 0],
+                                                                      [0, 0, 0, 0, 0, 0, 1]]
 
 
 def test_collate_alignment_and_padding():

@@ -7,9 +7,9 @@ Cross-field rules live in validators here, so a bad combination fails before any
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
@@ -78,6 +78,11 @@ class LearnerConfig(_Section):
     micro_batch_tokens: int = Field(default=8192, ge=1)
     """Token budget of one forward/backward: sequences are packed greedily until their summed
     lengths would exceed it (a longer sequence gets a micro-batch of its own)."""
+    share_prompt: Literal["auto", "on", "off"] = "auto"
+    """Episodes with identical prompt tokens (a GRPO group) share one row: the prompt runs through the
+    model once, then each response attends to it through a 4-D mask (agentloop.train.batching). Same
+    logprobs and gradients, less compute when prompts are long and responses short, but the row's
+    attention is dense. auto: share where the FLOP model says it is cheaper; on: always; off: never."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each step's batch."""
     mini_batches: int = Field(default=1, ge=1)
@@ -123,6 +128,12 @@ class LearnerConfig(_Section):
     weight_sync_timeout_s: float = Field(default=600.0, gt=0)
     """tensor/nccl: deadline of each call to a server, of the NCCL group's rendezvous and collectives,
     and of rank 0's wait for the orchestrator to pause the servers."""
+
+    @field_validator("share_prompt", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":

@@ -48,6 +48,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,7 @@ class Learner:
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        self.row_cost = _row_cost(model)
         self.model = self._shard(model, mixed=self.compute_dtype != torch.float32)
         self.model.train()
         self.ref_model = None
@@ -210,6 +212,14 @@ class Learner:
         return model
 
     # forward ---------------------------------------------------------------------------------
+    def _plan(self, eps, idxs):
+        """This rank's micro-batches of episodes[idxs] (token budget, shared prompts per config)."""
+        from agentloop.train.batching import plan_micro_batches
+
+        return plan_micro_batches(eps, idxs, self.algo.loss_agg_mode, budget=self.cfg.micro_batch_tokens,
+                                  rank=self.rank, world=self.world, pad_id=self.pad_id,
+                                  share=self.cfg.share_prompt, cost=self.row_cost)
+
     def _reshard(self) -> None:
         """Free every FSDP2 unsharded parameter, so the next forward gathers them afresh."""
         for m in self.model.modules():
@@ -241,20 +251,17 @@ class Learner:
         import torch
         import torch.distributed as dist
 
-        from agentloop.train.batching import Episode, plan_micro_batches
+        from agentloop.train.batching import Episode
 
         eps = [Episode(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids), list(r.response_mask),
                        list(r.response_logprobs), 0.0, 0.0) for r in records]
         result: dict[int, list[float]] = {}
         with torch.no_grad():
-            for mb in plan_micro_batches(eps, list(range(len(eps))), self.algo.loss_agg_mode,
-                                         budget=self.cfg.micro_batch_tokens, rank=self.rank, world=self.world,
-                                         pad_id=self.pad_id):
+            for mb in self._plan(eps, list(range(len(eps)))):
                 mb.to(self.device)
                 logp, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
                 logp = (logp * mb.loss_mask).cpu()
-                for row, i in enumerate(mb.episode_ids):
-                    s, k = eps[i].prompt_len - 1, len(eps[i].response_mask)
+                for i, (row, s, k) in zip(mb.episode_ids, mb.spans):
                     result[i] = logp[row, s:s + k].tolist()
         self._reshard()  # see train_step: no-grad gathered params must not serve a later loss pass
         if self.world > 1:
@@ -275,7 +282,7 @@ class Learner:
         import torch
         import torch.distributed as dist
 
-        from agentloop.train.batching import mini_batch_indices, plan_micro_batches, prepare_episodes
+        from agentloop.train.batching import mini_batch_indices, prepare_episodes
         from agentloop.train.losses import Stats, policy_loss
 
         t0 = time.perf_counter()
@@ -292,8 +299,7 @@ class Learner:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         minis = mini_batch_indices(len(eps), cfg.mini_batches, seed=cfg.seed * 1_000_003 + step)
-        plans = [plan_micro_batches(eps, idxs, algo.loss_agg_mode, budget=cfg.micro_batch_tokens,
-                                    rank=self.rank, world=self.world, pad_id=self.pad_id) for idxs in minis]
+        plans = [self._plan(eps, idxs) for idxs in minis]
         for mbs in plans:
             for mb in mbs:
                 mb.to(self.device)
@@ -357,6 +363,15 @@ class Learner:
         if self.world > 1:
             dist.all_reduce(loss_t)
         losses = loss_t.tolist()
+        # What the forward passes computed (each prompt once per shared row), summed over ranks.
+        lens = [n for mbs in plans for mb in mbs for n in mb.row_lengths]
+        per_row = Counter((id(mb), row) for mbs in plans for mb in mbs for row, _, _ in mb.spans)
+        work = torch.tensor([float(sum(lens)), float(sum(n * n for n in lens)),
+                             float(sum(1 for c in per_row.values() if c > 1))], dtype=torch.float64,
+                            device=loss_t.device)
+        if self.world > 1:
+            dist.all_reduce(work)
+        computed, computed_sq, shared_rows = work.tolist()
         metrics.update(stats.result())
         metrics["actor/loss"] = sum(losses) / len(losses)
         n_mb = len(minis)
@@ -373,6 +388,10 @@ class Learner:
         metrics["time/update_s"] = t3 - t2
         tokens = sum(e.length for e in eps) * cfg.ppo_epochs
         metrics["perf/tokens_per_s"] = tokens / max(t3 - t0, 1e-9)
+        metrics["batch/computed_tokens"] = computed
+        metrics["batch/computed_tokens_sq"] = computed_sq  # sum of squared row lengths: the attention FLOPs
+        metrics["batch/shared_rows"] = shared_rows  # rows holding a prompt and several responses
+        metrics["batch/prompt_share_saving"] = 1.0 - computed / max(sum(e.length for e in eps), 1)
         self.step = step
         return metrics
 
@@ -467,6 +486,17 @@ class Learner:
 # the mailbox loop ----------------------------------------------------------------------------
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
+
+
+def _row_cost(model) -> Any:
+    """`RowCost` of an HF causal LM, from the FLOP model of agentloop.bench_train."""
+    from agentloop.train.batching import RowCost
+
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    if not getattr(c, "tie_word_embeddings", False):
+        n -= model.get_input_embeddings().weight.numel()  # a lookup, not a matmul
+    return RowCost(per_token=2.0 * n, per_pair=4.0 * c.num_hidden_layers * c.hidden_size)
 
 
 def _bcast(obj: Any, device) -> Any:
