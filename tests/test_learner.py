@@ -99,6 +99,11 @@ def test_load_sections(tmp_path):
     f.write_text("model: {path: x}\nalgo: {kl_coef: 0.1}\nlearner: {lr: 0.5}\n")
     algo, cfg = load_sections(f, ["algo.loss_agg_mode=seq-mean-token-sum", "learner.grad_clip=null"])
     assert (algo.kl_coef, algo.loss_agg_mode, cfg.lr, cfg.grad_clip) == (0.1, "seq-mean-token-sum", 0.5, None)
+    # YAML reads a bare off/on as a boolean
+    assert load_sections(None, ["learner.share_prompt=off"])[1].share_prompt == "off"
+    assert load_sections(None, ["learner.share_prompt=on"])[1].share_prompt == "on"
+    with pytest.raises(ConfigError, match="share_prompt"):
+        load_sections(None, ["learner.share_prompt=sometimes"])
     with pytest.raises(ConfigError, match="clip_ratio_lo"):
         load_sections(None, ["algo.clip_ratio_lo=0.1"])
     with pytest.raises(ConfigError, match="expected algo.KEY=VALUE"):
