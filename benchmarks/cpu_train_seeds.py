@@ -1,6 +1,6 @@
 """Run the embedded default `agentloop train --loop tool_agent_loop` for several seeds; summarise and plot.
 
-Usage: python benchmarks/cpu_train_seeds.py OUT_DIR [--seeds 1 2 3] [-- extra overrides...]
+Usage: python benchmarks/cpu_train_seeds.py OUT_DIR [key.sub=value ...] [--seeds 1 2 3]
        python benchmarks/cpu_train_seeds.py OUT_DIR --summarize-only
 Each seed runs in OUT_DIR/seed-S with rollout.seed=S and learner.seed=S (one after another: the
 runs are timed, so they must not share the 2 cores). Writes OUT_DIR/summary.md (reward at the start
