@@ -26,7 +26,8 @@ Map:
     lr_at                  warmup + constant/cosine schedule, a pure function of the step
     init_distributed       join torchrun's process group, or make a single-rank one
     Learner                model + optimizer (+ reference); compute_logprobs, train_step,
-                           save_hf, save_checkpoint, load_checkpoint, close
+                           save_hf, save_checkpoint, load_checkpoint, close; its micro-batches
+                           share a GRPO group's prompt per row where `_row_cost` says it pays
     serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
     _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
     learner_command, main  the command line
