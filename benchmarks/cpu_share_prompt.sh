@@ -7,7 +7,7 @@
 set -euo pipefail
 OUT=${1:-/tmp/cpu_share_prompt}
 ROUNDS=${ROUNDS:-2}
-AGENTLOOP=${AGENTLOOP:-agentloop}
+AGENTLOOP=${AGENTLOOP:-$(command -v agentloop || echo .venv/bin/agentloop)}
 mkdir -p "$OUT"
 for r in $(seq 1 "$ROUNDS"); do
   for mode in off auto; do
