@@ -45,6 +45,7 @@ counts real tokens, so padding can add compute (sorting by length keeps it small
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -192,6 +193,11 @@ class MicroBatch:
         return sum(self.row_lengths)
 
     @property
+    def shared_rows(self) -> int:
+        """Rows that hold a prompt and more than one response."""
+        return sum(1 for n in Counter(row for row, _, _ in self.spans).values() if n > 1)
+
+    @property
     def shared(self) -> bool:
         """Rows hold shared prompts (a 4-D attention mask) rather than one episode each."""
         return self.attention_mask.dim() == 4
@@ -214,40 +220,12 @@ def collate(
     num_seqs: float,
     pad_id: int = 0,
 ) -> MicroBatch:
-    """Tensors for episodes[idxs]; `num_tokens`/`num_seqs` are the mini-batch totals for weights.
+    """Tensors for episodes[idxs], a row each; `num_tokens`/`num_seqs` are the mini-batch totals for weights.
 
     An empty `idxs` gives a one-token padding micro-batch whose weights are all zero.
     """
-    rows = [episodes[i] for i in idxs]
-    b = max(len(rows), 1)
-    L = max([e.length for e in rows] + [1])
-    input_ids = torch.full((b, L), pad_id, dtype=torch.long)
-    targets = torch.full((b, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, L), dtype=torch.long)
-    pos = torch.zeros((b, L), dtype=torch.long)
-    mask = torch.zeros((b, L), dtype=torch.float32)
-    adv = torch.zeros((b, L), dtype=torch.float32)
-    rlp = torch.zeros((b, L), dtype=torch.float32)
-    spans: list[tuple[int, int, int]] = []
-    if not rows:
-        attn[0, 0] = 1
-    for r, e in enumerate(rows):
-        n = e.length
-        ids = torch.tensor(e.ids, dtype=torch.long)
-        input_ids[r, :n] = ids[:-1]
-        targets[r, :n] = ids[1:]
-        attn[r, :n] = 1
-        pos[r, :n] = torch.arange(n)
-        s = e.prompt_len - 1
-        k = len(e.response_mask)
-        mask[r, s:s + k] = torch.tensor(e.response_mask, dtype=torch.float32)
-        rlp[r, s:s + k] = torch.tensor(e.rollout_logprobs, dtype=torch.float32)
-        adv[r, s:s + k] = e.advantage
-        spans.append((r, s, k))
-    adv *= mask
-    w = token_weights(mask, mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    return MicroBatch(input_ids, attn, pos, targets, mask, adv, rlp, w, list(idxs), spans=spans,
-                      row_lengths=[e.length for e in rows])
+    return _collate_rows(episodes, [[i] for i in idxs], mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                         pad_id=pad_id, shared=False)
 
 
 ShareMode = Literal["auto", "on", "off"]
@@ -329,19 +307,38 @@ def collate_shared(
     pad_id: int = 0,
 ) -> MicroBatch:
     """Tensors of rows that each hold one prompt and the segments of `items[r]` (module doc)."""
+    return _collate_rows(episodes, items, mode, num_tokens=num_tokens, num_seqs=num_seqs, pad_id=pad_id,
+                         shared=True)
+
+
+def _collate_rows(
+    episodes: list[Episode],
+    items: list[list[int]],
+    mode: LossAggMode,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+    pad_id: int,
+    shared: bool,
+) -> MicroBatch:
+    """Row r = the prompt of items[r] once, then a segment per episode (module doc). A row of one
+    episode is that episode's plain sequence, so `shared` only decides the attention mask: 2-D
+    padding mask (causal inside the model) or 4-D, each segment seeing the prompt and itself."""
     lengths = [item_length(episodes, it) for it in items]
-    b, L = len(items), max(lengths)
+    b, L = max(len(items), 1), max(lengths + [1])
     input_ids = torch.full((b, L), pad_id, dtype=torch.long)
     targets = torch.full((b, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, 1, L, L), dtype=torch.bool)
+    attn = torch.zeros((b, 1, L, L) if shared else (b, L), dtype=torch.bool if shared else torch.long)
     pos = torch.zeros((b, L), dtype=torch.long)
     mask = torch.zeros((b, L), dtype=torch.float32)
     adv = torch.zeros((b, L), dtype=torch.float32)
     rlp = torch.zeros((b, L), dtype=torch.float32)
     w = torch.zeros((b, L), dtype=torch.float64)
-    causal = torch.ones((L, L), dtype=torch.bool).tril()
+    causal = torch.ones((L, L), dtype=torch.bool).tril() if shared else None
     spans: list[tuple[int, int, int]] = []
     episode_ids: list[int] = []
+    if not items:
+        attn[0, 0] = 1
     for r, item in enumerate(items):
         first = episodes[item[0]]
         p = first.prompt_len - 1
@@ -349,7 +346,8 @@ def collate_shared(
         input_ids[r, :p] = head[:p]
         targets[r, :p] = head[1:]
         pos[r, :p] = torch.arange(p)
-        attn[r, 0, :p, :p] = causal[:p, :p]
+        if shared:
+            attn[r, 0, :p, :p] = causal[:p, :p]
         a = p
         for i in item:
             e = episodes[i]
@@ -360,8 +358,9 @@ def collate_shared(
             input_ids[r, a:a + k] = ids[p:p + k]
             targets[r, a:a + k] = ids[p + 1:p + 1 + k]
             pos[r, a:a + k] = torch.arange(p, p + k)
-            attn[r, 0, a:a + k, :p] = True
-            attn[r, 0, a:a + k, a:a + k] = causal[:k, :k]
+            if shared:
+                attn[r, 0, a:a + k, :p] = True
+                attn[r, 0, a:a + k, a:a + k] = causal[:k, :k]
             m = torch.tensor(e.response_mask, dtype=torch.float32)
             mask[r, a:a + k] = m
             rlp[r, a:a + k] = torch.tensor(e.rollout_logprobs, dtype=torch.float32)
@@ -370,10 +369,13 @@ def collate_shared(
             spans.append((r, a, k))
             episode_ids.append(i)
             a += k
-        # Padding queries see only themselves: a fully masked row would make SDPA return NaN, and
-        # NaN * 0 weight is still NaN in the backward pass.
-        pad = torch.arange(a, L)
-        attn[r, 0, pad, pad] = True
+        if shared:
+            # Padding queries see only themselves: a fully masked row would make SDPA return NaN, and
+            # NaN * 0 weight is still NaN in the backward pass.
+            pad = torch.arange(a, L)
+            attn[r, 0, pad, pad] = True
+        else:
+            attn[r, :a] = 1
     return MicroBatch(input_ids, attn, pos, targets, mask, adv, rlp, w, episode_ids, spans=spans,
                       row_lengths=lengths)
 
@@ -392,7 +394,7 @@ def plan_micro_batches(
 ) -> list[MicroBatch]:
     """This rank's micro-batches of the mini-batch `idxs`, padded to the count of the busiest rank.
 
-    Rows are `share_items`; a micro-batch with a shared row uses `collate_shared` for all its rows.
+    Rows are `share_items`; a micro-batch with a shared row gets the 4-D mask for all its rows.
     """
     num_tokens = float(sum(episodes[i].model_tokens for i in idxs))
     num_seqs = float(sum(1 for i in idxs if episodes[i].model_tokens > 0))
@@ -406,11 +408,8 @@ def plan_micro_batches(
     out = []
     for firsts in mine:
         rows = [by_first[f] for f in firsts]
-        if any(len(it) > 1 for it in rows):
-            out.append(collate_shared(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs, pad_id=pad_id))
-        else:
-            out.append(collate(episodes, [it[0] for it in rows], mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                               pad_id=pad_id))
+        out.append(_collate_rows(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs, pad_id=pad_id,
+                                 shared=any(len(it) > 1 for it in rows)))
     return out
 
 

@@ -49,7 +49,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -366,9 +365,8 @@ class Learner:
         losses = loss_t.tolist()
         # What the forward passes computed (each prompt once per shared row), summed over ranks.
         lens = [n for mbs in plans for mb in mbs for n in mb.row_lengths]
-        per_row = Counter((id(mb), row) for mbs in plans for mb in mbs for row, _, _ in mb.spans)
         work = torch.tensor([float(sum(lens)), float(sum(n * n for n in lens)),
-                             float(sum(1 for c in per_row.values() if c > 1))], dtype=torch.float64,
+                             float(sum(mb.shared_rows for mbs in plans for mb in mbs))], dtype=torch.float64,
                             device=loss_t.device)
         if self.world > 1:
             dist.all_reduce(work)
