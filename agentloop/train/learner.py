@@ -489,13 +489,11 @@ EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
 
 def _row_cost(model) -> Any:
     """`RowCost` of an HF causal LM, from the FLOP model of agentloop.bench_train."""
+    from agentloop.bench_train import flop_params
     from agentloop.train.batching import RowCost
 
     c = model.config
-    n = sum(p.numel() for p in model.parameters())
-    if not getattr(c, "tie_word_embeddings", False):
-        n -= model.get_input_embeddings().weight.numel()  # a lookup, not a matmul
-    return RowCost(per_token=2.0 * n, per_pair=4.0 * c.num_hidden_layers * c.hidden_size)
+    return RowCost(per_token=2.0 * flop_params(model), per_pair=4.0 * c.num_hidden_layers * c.hidden_size)
 
 
 def _bcast(obj: Any, device) -> Any:
