@@ -383,19 +383,14 @@ def run_learner_bench(bench: TrainBenchConfig, algo: Any, learner_cfg: Any, out_
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     """Rows of run_dir/metrics.jsonl that are training steps (rows with time/step_s), by step, last write wins."""
+    from agentloop.data.loader import read_jsonl_rows
     from agentloop.errors import ConfigError
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path}: not found (is {run_dir} an `agentloop train` run directory?)")
     rows: dict[float, dict[str, float]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not JSON ({e})") from None
+    for _, row in read_jsonl_rows(path):  # a bad line raises DataError naming file and line
         if "time/step_s" in row:
             rows[row["step"]] = row  # a resumed run re-logs a step: keep the last
     return [rows[k] for k in sorted(rows)]
