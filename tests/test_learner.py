@@ -83,6 +83,17 @@ def assert_weights_close(a: Path, b: Path, atol=1e-6):
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
 
 
+def one_step(model_dir: Path, algo: AlgoConfig, cfg: LearnerConfig, records, out: Path, *, logprobs: bool = False):
+    """A fresh Learner: (compute_logprobs(records) if asked, else None), train_step(records, 1)'s
+    metrics, and the HF weights it saved to `out`."""
+    learner = Learner(model_dir, algo, cfg)
+    try:
+        lps = learner.compute_logprobs(records) if logprobs else None
+        return lps, learner.train_step(records, 1), learner.save_hf(out)
+    finally:
+        learner.close()
+
+
 # ---- schedule / config --------------------------------------------------------------------
 
 def test_lr_schedule():
@@ -166,16 +177,10 @@ def test_micro_batching_matches_full_batch_update(tiny_model, tmp_path, mode):
     """
     algo = AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01)
     recs = make_records(1, seed=3)
-    results = []
-    for budget in (10_000, 12):
-        learner = Learner(tiny_model, algo, LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None,
-                                                         micro_batch_tokens=budget))
-        try:
-            m = learner.train_step(recs, 1)
-            results.append((m, learner.save_hf(tmp_path / f"w-{budget}")))
-        finally:
-            learner.close()
-    (big, w_big), (small, w_small) = results
+    (_, big, w_big), (_, small, w_small) = [
+        one_step(tiny_model, algo, LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None,
+                                                 micro_batch_tokens=budget), recs, tmp_path / f"w-{budget}")
+        for budget in (10_000, 12)]
     assert big["actor/micro_batches"] == 1 and small["actor/micro_batches"] > 4
     for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy"):
         assert small[k] == pytest.approx(big[k], rel=1e-5, abs=1e-7), k
@@ -189,18 +194,11 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_update(tiny_model, tmp_pa
     so the old-logprob pass and the reference pass run on shared rows too."""
     algo = AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01)
     recs = make_records(1, seed=7, groups=3, n=4)
-    results = {}
-    for share in ("off", "on"):
-        cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None, micro_batch_tokens=40,
-                            mini_batches=2, share_prompt=share)
-        learner = Learner(tiny_model, algo, cfg)
-        try:
-            lps = learner.compute_logprobs(recs)
-            m = learner.train_step(recs, 1)
-            results[share] = (lps, m, learner.save_hf(tmp_path / f"w-{share}"))
-        finally:
-            learner.close()
-    (lp_off, off, w_off), (lp_on, on, w_on) = results["off"], results["on"]
+    (lp_off, off, w_off), (lp_on, on, w_on) = [
+        one_step(tiny_model, algo, LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None,
+                                                 micro_batch_tokens=40, mini_batches=2, share_prompt=share),
+                 recs, tmp_path / f"w-{share}", logprobs=True)
+        for share in ("off", "on")]
     for a, b in zip(lp_off, lp_on):
         assert b == pytest.approx(a, abs=1e-5)
     assert on["batch/shared_rows"] > 0 and off["batch/shared_rows"] == 0
@@ -224,17 +222,10 @@ def test_on_policy_step_skips_the_old_logprob_pass_with_the_same_update(tiny_mod
     cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None)
     assert not learner_mod.old_logprob_pass(algo, cfg)
     assert learner_mod.old_logprob_pass(algo, cfg.model_copy(update={"mini_batches": 2}))
-    results = []
-    for forced in (False, True):
-        if forced:  # the general path: a separate no-grad forward for the old logprobs
-            monkeypatch.setattr(learner_mod, "old_logprob_pass", lambda a, c: True)
-        learner = Learner(tiny_model, algo, cfg)
-        try:
-            m = learner.train_step(recs, 1)
-            results.append((m, learner.save_hf(tmp_path / f"w-{forced}")))
-        finally:
-            learner.close()
-    (fast, w_fast), (full, w_full) = results
+    _, fast, w_fast = one_step(tiny_model, algo, cfg, recs, tmp_path / "w-fast")
+    # the general path: a separate no-grad forward for the old logprobs
+    monkeypatch.setattr(learner_mod, "old_logprob_pass", lambda a, c: True)
+    _, full, w_full = one_step(tiny_model, algo, cfg, recs, tmp_path / "w-full")
     for k in ("actor/loss", "actor/grad_norm", "actor/clip_frac"):
         if k in full:
             assert fast[k] == pytest.approx(full[k], rel=1e-5, abs=1e-7), k
@@ -455,12 +446,7 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
             proc.kill()
             proc.wait()
     algo, cfg = load_sections(None, overrides)
-    learner = Learner(tiny_model, algo, cfg)
-    try:
-        m = learner.train_step(batch, 1)
-        ref = learner.save_hf(tmp_path / "ref")
-    finally:
-        learner.close()
+    _, m, ref = one_step(tiny_model, algo, cfg, batch, tmp_path / "ref")
     for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes"):
         assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
     assert_weights_close(ref, res.weights_dir, atol=atol)
