@@ -15,14 +15,8 @@
 #   bash benchmarks/gpu_train_split.sh
 # Env: OUT (results folder, default ./bench_out), SPLIT_STEPS (4), SPLIT_BUDGET_S (560), SPLIT_PARTS ("train bench").
 set -u
-OUT=${OUT:-$PWD/bench_out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/split_script.log") 2>&1
-export PYTHONUNBUFFERED=1 AGENTLOOP_CACHE_DIR=${AGENTLOOP_CACHE_DIR:-/tmp/alc}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
-export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
+source benchmarks/gpu_env.sh split_script.log
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-ulimit -n 65536 2>/dev/null || true
 T0=$(date +%s)
 BUDGET=${SPLIT_BUDGET_S:-560}
 STEPS=${SPLIT_STEPS:-4}
@@ -31,9 +25,7 @@ PORT=30000
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 
-source .sglang-gpu/install.sh || { echo "bundle install failed"; exit 1; }
 log "host $(hostname), $(nproc) cores"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 MODEL=$(python3 -c "from agentloop.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))" | tail -1)
 log "model: $MODEL"
