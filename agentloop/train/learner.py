@@ -385,12 +385,12 @@ class Learner:
         metrics["time/prepare_s"] = t1 - t0
         metrics["time/logprobs_s"] = t2 - t1
         metrics["time/update_s"] = t3 - t2
-        tokens = sum(e.length for e in eps) * cfg.ppo_epochs
-        metrics["perf/tokens_per_s"] = tokens / max(t3 - t0, 1e-9)
+        episode_tokens = sum(e.length for e in eps)
+        metrics["perf/tokens_per_s"] = episode_tokens * cfg.ppo_epochs / max(t3 - t0, 1e-9)
         metrics["batch/computed_tokens"] = computed
         metrics["batch/computed_tokens_sq"] = computed_sq  # sum of squared row lengths: the attention FLOPs
         metrics["batch/shared_rows"] = shared_rows  # rows holding a prompt and several responses
-        metrics["batch/prompt_share_saving"] = 1.0 - computed / max(sum(e.length for e in eps), 1)
+        metrics["batch/prompt_share_saving"] = 1.0 - computed / max(episode_tokens, 1)
         self.step = step
         return metrics
 
