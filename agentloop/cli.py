@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "build-model":
-        from agentloop.modelzoo import ensure_tiny_model
+        from agentloop.models.modelzoo import ensure_tiny_model
 
         print(ensure_tiny_model())
         return 0
@@ -173,7 +173,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("\n".join(list_agent_loops()))
         return 0
     if args.command == "trace":
-        from agentloop.trace_html import write_trace_html
+        from agentloop.report.trace_html import write_trace_html
 
         out = write_trace_html(args.records, args.out, limit=args.limit or None, model_dir=args.model)
         print(f"agentloop trace: wrote {out}")
@@ -185,7 +185,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(dump_config(cfg), end="")
         return 0
     if args.command == "rollout":
-        from agentloop.evaluate import format_summary, run_rollout
+        from agentloop.rollout.run import format_summary, run_rollout
 
         run_dir, result = run_rollout(cfg, progress=not args.quiet)
         print(f"agentloop rollout: done, run dir {run_dir}")
@@ -211,17 +211,17 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"  weights:      {final.get('last_weights')}")
         return 0
     if args.command == "bench" and args.bench == "rollout":
-        from agentloop.bench import run_bench_rollout
+        from agentloop.bench.rollout import run_bench_rollout
 
         run_bench_rollout(cfg, args)
         return 0
     if args.command == "bench" and args.bench == "tools":
-        from agentloop.bench_tools import run_bench_tools
+        from agentloop.bench.tools import run_bench_tools
 
         run_bench_tools(cfg, args)
         return 0
     if args.command == "bench" and args.bench == "train":
-        from agentloop.bench_train import run_bench_train
+        from agentloop.bench.train import run_bench_train
 
         run_bench_train(cfg, args)
         return 0

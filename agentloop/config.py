@@ -23,11 +23,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from agentloop.errors import ConfigError
-from agentloop.rewards.code import CodeRewardConfig
-from agentloop.rewards.tool_aware import ToolRewardConfig
+from agentloop.rewards.config import CodeRewardConfig, ToolRewardConfig
 from agentloop.tools.config import ToolsConfig
 from agentloop.train.config import AlgoConfig, LearnerConfig
 
@@ -186,7 +192,7 @@ class TrainConfig(Section):
     """With the built-in tiny model (model.path null), start from its supervised warm start on
     synthetic calculator traces, so RL has something to improve: it calls the calculator on about
     half the prompts at temperature 1. The SFT takes ~100 s on a GPU and hours on 2 CPU cores, so its
-    GPU-built weights ship in the package and are installed into the cache (see agentloop.warmstart)."""
+    GPU-built weights ship in the package and are installed into the cache (see agentloop.models.warmstart)."""
     sync: Literal["disk"] = "disk"
     """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk."""
     pause_mode: Literal["abort", "in_place", "retract"] = "retract"

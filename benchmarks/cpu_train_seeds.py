@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from agentloop.plots import write_curves_html
+from agentloop.report.plots import write_curves_html
 
 
 def _rows(run: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # `agentloop bench rollout` against real SGLang on a GPU machine, for two model shapes:
-#   tiny  the project's own tiny Qwen2 (agentloop.modelzoo.ensure_tiny_model), with its tokenizer
+#   tiny  the project's own tiny Qwen2 (agentloop.models.modelzoo.ensure_tiny_model), with its tokenizer
 #   q05   a random-weight Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, 14/2 heads, vocab 151936,
 #         bf16), served with --skip-tokenizer-init (our 2k-token tokenizer cannot detokenize its ids)
 # Usage, from the repo root on the GPU machine (after `bash ../shared/sglang-gpu/stage.sh` here and
@@ -41,10 +41,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import sglang, torch, transformers, aiohttp; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'aiohttp', aiohttp.__version__)"
 
 # ---- models
-TINY=$(python3 -c "from agentloop.modelzoo import ensure_tiny_model; print(ensure_tiny_model())" | tail -1)
+TINY=$(python3 -c "from agentloop.models.modelzoo import ensure_tiny_model; print(ensure_tiny_model())" | tail -1)
 log "tiny model: $TINY"; ls -la "$TINY"
-# built (once, cached) by agentloop.modelzoo.ensure_shape_model, in the background while tiny is benched
-(python3 -c "from agentloop.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))") \
+# built (once, cached) by agentloop.models.modelzoo.ensure_shape_model, in the background while tiny is benched
+(python3 -c "from agentloop.models.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))") \
   > /tmp/build_q05.txt 2>&1 &
 BUILD_PID=$!
 

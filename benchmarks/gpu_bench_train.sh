@@ -1,7 +1,7 @@
 #!/bin/bash
 # `agentloop bench train` on one GPU: learner tokens/s, step time, peak memory and MFU of the real
 # train_step (FSDP2, bf16 compute, fp32 master weights) for a random-weight Qwen2.5-0.5B-shaped model
-# (agentloop.modelzoo.ensure_shape_model), on synthetic GRPO batches of 64 sequences x 1024 tokens.
+# (agentloop.models.modelzoo.ensure_shape_model), on synthetic GRPO batches of 64 sequences x 1024 tokens.
 # Runs: base (learner.micro_batch_tokens 8192; one epoch of one mini-batch, so no separate old-logprob
 # pass), bigger micro-batches (16384), and two mini-batches (learner.mini_batches=2: two optimizer
 # steps, and the old logprobs need their own forward pass). A failed variant is logged and skipped.
@@ -10,7 +10,7 @@
 # (without the bundle it puts the repo on PYTHONPATH itself: the learner bench needs torch + transformers,
 # not sglang). Env: OUT (results folder, default ./bench_out), BT_SEQS (64), BT_PROMPT (256),
 # BT_RESPONSE (768), BT_GROUP (8), BT_VARIANTS ("base mbt16k two_minibatches"), BT_WARMUP (2), BT_STEPS (5), BT_TIMEOUT_S (per run, 300),
-# BT_PEAK_TFLOPS (only for GPUs missing from agentloop.bench_train.PEAK_TFLOPS); for a CPU smoke test of
+# BT_PEAK_TFLOPS (only for GPUs missing from agentloop.bench.train.PEAK_TFLOPS); for a CPU smoke test of
 # the script itself: BT_MODEL=tiny BT_DEVICE=cpu BT_DTYPE=float32 BT_SEQS=4 BT_GROUP=2 BT_PROMPT=8 BT_RESPONSE=8.
 # Writes under $OUT: bench_train_script.log, bench_train_<run>.json / .md / .log, bench_train_summary.md.
 set -euo pipefail
@@ -29,7 +29,7 @@ if [ -n "${BT_PEAK_TFLOPS:-}" ]; then PEAK="--peak-tflops=$BT_PEAK_TFLOPS"; fi
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
-if ! python3 -c "import agentloop.bench_train" 2>/dev/null && [ -f .sglang-gpu/install.sh ]; then
+if ! python3 -c "import agentloop.bench.train" 2>/dev/null && [ -f .sglang-gpu/install.sh ]; then
   log "agentloop not importable: sourcing .sglang-gpu/install.sh"
   set +u; source .sglang-gpu/install.sh || { log "bundle install failed"; exit 1; }; set -u
 fi
@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
 
 log "model $SHAPE: building (once, cached in $AGENTLOOP_CACHE_DIR) or finding it"
-MODEL=$(python3 -c "from agentloop.bench_train import resolve_bench_model; print(resolve_bench_model('$SHAPE'))" | tail -1)
+MODEL=$(python3 -c "from agentloop.bench.train import resolve_bench_model; print(resolve_bench_model('$SHAPE'))" | tail -1)
 log "model dir: $MODEL (the runs name it $SHAPE and find it in the cache)"; ls -la "$MODEL"
 
 FAILED=""

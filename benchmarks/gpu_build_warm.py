@@ -11,8 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from agentloop.modelzoo import ensure_tiny_model
-from agentloop.warmstart import WarmStartSpec, ensure_warm_model, evaluate_tool_use
+from agentloop.models.modelzoo import ensure_tiny_model
+from agentloop.models.warmstart import (
+    WarmStartSpec,
+    ensure_warm_model,
+    evaluate_tool_use,
+)
 
 
 def main() -> None:

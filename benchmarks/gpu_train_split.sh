@@ -27,7 +27,7 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 
 log "host $(hostname), $(nproc) cores"
 python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-MODEL=$(python3 -c "from agentloop.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))" | tail -1)
+MODEL=$(python3 -c "from agentloop.models.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))" | tail -1)
 log "model: $MODEL"
 
 SERVER_PID=""

@@ -61,11 +61,11 @@ def post(url, path, body, timeout=120):
         return txt.decode(errors="replace")
 
 
+import sglang  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM  # noqa: E402
 
-import sglang  # noqa: E402
 from agentloop.train.config import LearnerConfig  # noqa: E402
 from agentloop.train.learner import Learner  # noqa: E402
 from agentloop.train.weight_sync import DiskSync, NcclSync, TensorSync  # noqa: E402
@@ -78,7 +78,7 @@ if torch.cuda.device_count() < 2:
 
 # ---------------------------------------------------------------- 1. models A and B on disk
 try:
-    from agentloop.modelzoo import shape_config
+    from agentloop.models.modelzoo import shape_config
 
     cfg = shape_config("qwen2.5-0.5b-shape", bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
 except (ImportError, ValueError):  # older checkout without the shape table: the same shape, spelled out

@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     except ImportError:
         pass
 
-from agentloop.modelzoo import ensure_tiny_model  # noqa: E402
+from agentloop.models.modelzoo import ensure_tiny_model  # noqa: E402
 
 SKIP_SGLANG = os.environ.get("AGENTLOOP_SKIP_SGLANG") == "1"
 
@@ -47,14 +47,14 @@ def tiny_model_path() -> Path:
 @dataclass
 class SGLangServerHandle:
     url: str
-    server: object  # agentloop.launcher.LocalServer
+    server: object  # agentloop.inference.launcher.LocalServer
     model_path: Path
 
 
 @pytest.fixture(scope="session")
 def sglang_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServerHandle]:
     require_sglang()
-    from agentloop.launcher import LocalServer
+    from agentloop.inference.launcher import LocalServer
 
     log = tmp_path_factory.mktemp("sglang") / "server.log"
     server = LocalServer(tiny_model_path, device="cpu", log_path=log, startup_timeout_s=280).start()

@@ -40,7 +40,7 @@ from typing import Any
 
 from agentloop.config import DataConfig
 from agentloop.errors import DataError
-from agentloop.sample import Sample
+from agentloop.records import Sample
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 """Roles a prompt message may have."""

@@ -1,10 +1,26 @@
 """Agent loops. To add one: subclass AgentLoopBase, write `async run(sample, sampling_params)`,
-and register it with `register_agent_loop("name", Cls)` (or as a class decorator)."""
+and register it with `register_agent_loop("name", Cls)` (or as a class decorator).
 
+    registry.py     register/get/list, plugin files and modules, the `agentloop.loops` entry points
+    base.py         AgentLoopBase (generate, chat template) and TrajectoryBuilder (ids, mask, logprobs)
+    single_turn.py  single_turn_agent_loop
+    tool_agent.py   tool_agent_loop: generate, parse calls, run tools, append their tokens, repeat
+    template.py     chat-template diffing (append-only check, the turn suffix)
+
+May import: the vocabulary, util, the client (server_manager) and tools.
+"""
+
+from agentloop.loops import (
+           single_turn,  # noqa: F401 - registers single_turn_agent_loop
+           tool_agent,  # noqa: F401 - registers tool_agent_loop
+)
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
-from agentloop.loops.registry import get_agent_loop, list_agent_loops, load_plugin, register_agent_loop
-from agentloop.loops import single_turn  # noqa: F401 - registers single_turn_agent_loop
-from agentloop.loops import tool_agent  # noqa: F401 - registers tool_agent_loop
+from agentloop.loops.registry import (
+           get_agent_loop,
+           list_agent_loops,
+           load_plugin,
+           register_agent_loop,
+)
 
 __all__ = ["AgentLoopBase", "TrajectoryBuilder", "get_agent_loop", "list_agent_loops", "load_plugin",
            "register_agent_loop"]

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from agentloop.config import Config, SamplingParams, derive_seed
 from agentloop.errors import PromptTooLongError
-from agentloop.records import AgentLoopOutput, TokenOutput
-from agentloop.sample import Sample
+from agentloop.records import AgentLoopOutput, Sample, TokenOutput
 
 if TYPE_CHECKING:
     from agentloop.server_manager import ServerManager

@@ -15,9 +15,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar, overload
 
-from agentloop.cache import import_python_file
 from agentloop.errors import ConfigError
-from agentloop.registries import admit_class
+from agentloop.util.cache import import_python_file
+from agentloop.util.registries import admit_class
 
 if TYPE_CHECKING:
     from agentloop.loops.base import AgentLoopBase
@@ -70,9 +70,8 @@ def _load_entry_points() -> None:
 
 
 def get_agent_loop(name: str) -> type["AgentLoopBase"]:
-    """The class registered under `name` (built-ins and entry points are loaded on demand)."""
-    import agentloop.loops  # noqa: F401 - registers the built-in loops
-
+    """The class registered under `name` (entry points are loaded on demand; the built-ins registered
+    themselves when the package was imported, which Python does before this module)."""
     if name not in _LOOPS:
         _load_entry_points()
     try:
@@ -82,8 +81,6 @@ def get_agent_loop(name: str) -> type["AgentLoopBase"]:
 
 
 def list_agent_loops() -> list[str]:
-    import agentloop.loops  # noqa: F401
-
     _load_entry_points()
     return sorted(_LOOPS)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from agentloop.config import SamplingParams
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.loops.registry import register_agent_loop
-from agentloop.records import AgentLoopOutput
-from agentloop.sample import Sample
+from agentloop.records import AgentLoopOutput, Sample
 
 
 @register_agent_loop("single_turn_agent_loop")

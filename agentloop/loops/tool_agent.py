@@ -1,8 +1,8 @@
 """tool_agent_loop: multi-turn generation with tool calls, token-exact.
 
 Map:
-    TemplateInfo / template_info   once per chat template: check it is append-only for tool turns and
-                                   measure the text it puts after an assistant message (e.g. "<|im_end|>\\n")
+    template.template_info         (template.py) once per chat template: check it is append-only for tool
+                                   turns and measure the text it puts after an assistant message
     ToolAgentLoop.run              generate -> parse -> run tools -> append tool tokens -> generate ...
     ToolAgentLoop._run_calls       one turn's calls: validated, concurrent (Semaphore), each under wait_for
     ToolAgentLoop._env_ids         the tokens between a model turn and the next one
@@ -38,83 +38,20 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from agentloop.config import SamplingParams
 from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.loops.registry import register_agent_loop
-from agentloop.records import AgentLoopOutput
-from agentloop.sample import Sample
+from agentloop.loops.template import TemplateInfo, require_prefix, template_info
+from agentloop.records import AgentLoopOutput, Sample
 from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.config import ToolsConfig
 from agentloop.tools.parsers import ParseResult, ToolCall, get_parser
 from agentloop.tools.registry import get_tool
 
 logger = logging.getLogger(__name__)
-
-_MARK = "AGENTLOOP_CONTENT_END_7f3a"
-
-
-@dataclass(frozen=True)
-class TemplateInfo:
-    turn_suffix: str
-    """Text the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
-
-
-_TEMPLATE_CACHE: dict[str, TemplateInfo] = {}
-
-
-def _first_diff(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def _require_prefix(shorter: str, longer: str, what: str) -> None:
-    if not longer.startswith(shorter):
-        i = _first_diff(shorter, longer)
-        raise ConfigError(
-            f"the chat template is not append-only for tool turns: {what}. First difference at character "
-            f"{i}: {shorter[max(0, i - 40):i + 40]!r} vs {longer[max(0, i - 40):i + 40]!r}. tool_agent_loop "
-            "needs a template where adding messages only appends text (set model.tokenizer_path to a "
-            "tokenizer with such a template)")
-
-
-def template_info(render, *, check: bool = True, cache_key: str | None = None) -> TemplateInfo:
-    """Measure (and with `check`, verify) the template once; `render(messages, tools, add_generation_prompt)`."""
-    if cache_key is not None and cache_key in _TEMPLATE_CACHE:
-        return _TEMPLATE_CACHE[cache_key]
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "q": {"type": "string"}}, "required": ["q"]}}}]
-    call = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
-    u = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
-    a1 = {"role": "assistant", "content": "thinking " + call + _MARK}
-    t1 = {"role": "tool", "name": "lookup", "content": "R1"}
-    a2 = {"role": "assistant", "content": call + _MARK}
-    t2 = {"role": "tool", "name": "lookup", "content": "R2"}
-    try:
-        A1 = render(u + [a1], tools, False)
-        B1 = render(u + [a1, t1], tools, True)
-        A2 = render(u + [a1, t1, a2], tools, False)
-        B2 = render(u + [a1, t1, a2, t2], tools, True)
-    except Exception as e:  # noqa: BLE001 - re-raised as a config problem with the cause
-        raise ConfigError(f"the chat template cannot render a tool conversation: {type(e).__name__}: {e}") from e
-    if _MARK not in A1 or _MARK not in A2:
-        raise ConfigError("the chat template drops assistant message content; tool_agent_loop cannot use it")
-    suffix = A1[A1.rindex(_MARK) + len(_MARK):]
-    if check:
-        _require_prefix(A1, B1, "adding a tool message changes the text before it")
-        _require_prefix(B1, A2, "adding an assistant message after a tool message changes the text before it")
-        _require_prefix(A2, B2, "adding a second tool message changes the text before it")
-        if A2[A2.rindex(_MARK) + len(_MARK):] != suffix:
-            raise ConfigError("the chat template ends assistant turns differently from turn to turn "
-                              f"({suffix!r} vs {A2[A2.rindex(_MARK) + len(_MARK):]!r})")
-    info = TemplateInfo(turn_suffix=suffix)
-    if cache_key is not None:
-        _TEMPLATE_CACHE[cache_key] = info
-    return info
 
 
 class _Counters:
@@ -267,7 +204,7 @@ class ToolAgentLoop(AgentLoopBase):
         """Tokens from the end of the model's turn to the start of the next one (see the module docstring)."""
         a = self._render(messages, schemas, False)
         b = self._render(messages + tool_msgs, schemas, True)
-        _require_prefix(a, b, "adding tool messages changed the text before them")
+        require_prefix(a, b, "adding tool messages changed the text before them")
         env_text = info.turn_suffix[len(end_text):] + b[len(a):]
         return list(self.tokenizer.encode(env_text, add_special_tokens=False))
 

@@ -9,15 +9,37 @@ returning a float (or bool) or a dict with "score" plus extra info. To add one:
 or point `reward.custom` at `path/to/file.py:function` (see `load_custom_reward`).
 `score_episode` calls a function and normalizes its result into a `RewardResult`;
 anything unusable is a RewardError naming the data source.
+
+May import: the vocabulary, util and tools (the code reward runs tests in the tools' sandbox).
 """
 
-from agentloop.rewards.boxed import boxed_math_score, extract_boxed, is_equiv, normalize_math
+from agentloop.rewards.boxed import (
+    boxed_math_score,
+    extract_boxed,
+    is_equiv,
+    normalize_math,
+)
 from agentloop.rewards.builtin import BUILTIN_REWARDS, register_builtin_rewards
-from agentloop.rewards.countdown import COUNTDOWN_FORMAT_SCORE, countdown_score, make_countdown_reward
+from agentloop.rewards.countdown import (
+    COUNTDOWN_FORMAT_SCORE,
+    countdown_score,
+    make_countdown_reward,
+)
 from agentloop.rewards.exact import exact_match_score, normalize_text
 from agentloop.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
-from agentloop.rewards.registry import get_reward, list_rewards, load_custom_reward, register_reward
-from agentloop.rewards.scoring import RewardFn, RewardResult, call_reward, normalize_reward, score_episode
+from agentloop.rewards.registry import (
+    get_reward,
+    list_rewards,
+    load_custom_reward,
+    register_reward,
+)
+from agentloop.rewards.scoring import (
+    RewardFn,
+    RewardResult,
+    call_reward,
+    normalize_reward,
+    score_episode,
+)
 
 register_builtin_rewards()
 

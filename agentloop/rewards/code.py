@@ -31,28 +31,12 @@ import json
 import math
 import re
 import secrets
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from agentloop.rewards.config import CodeRewardConfig
 from agentloop.tools.sandbox import SandboxLimits, loop_semaphore, run_python
-
-
-class CodeRewardConfig(BaseModel):
-    """Settings of the code reward (mount as `reward.code`)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-    mode: Literal["pass_rate", "all_or_nothing"] = "pass_rate"
-    """pass_rate: score = passed / total tests; all_or_nothing: 1.0 only when every test passes."""
-    timeout_s: float = Field(default=10.0, gt=0)
-    """Wall-clock limit of one answer's whole test run (replaces the sandbox's timeout_s)."""
-    per_test_timeout_s: float = Field(default=2.0, gt=0)
-    """Deadline of loading the solution and of each test (SIGALRM inside the sandbox)."""
-    max_concurrent: int = Field(default=4, ge=1)
-    """Test runs at once in this process (per event loop), over all episodes."""
-    max_message_chars: int = Field(default=200, ge=0)
-    """Length kept of the first failure's message in the reward info."""
 
 
 class CodeTestResult(BaseModel):
@@ -213,8 +197,6 @@ def _parse_results(stdout: str, nonce: str, total: int) -> tuple[int, str]:
     passed = sum(1 for i in range(total) if seen.get(i, (False, ""))[0])
     failures = [seen[i][1] for i in sorted(seen) if not seen[i][0]]
     return passed, failures[0] if failures else ""
-
-
 
 
 def _run_limits(limits: SandboxLimits | None, cfg: CodeRewardConfig) -> SandboxLimits:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from agentloop.cache import import_python_file
 from agentloop.errors import RewardError
 from agentloop.rewards.scoring import RewardCallable
+from agentloop.util.cache import import_python_file
 
 _REWARDS: dict[str, RewardCallable] = {}
 

@@ -23,30 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class ToolRewardConfig(BaseModel):
-    """How the tool loop's penalty and tool rewards enter the episode reward (mount as `reward.tools`)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-    penalty_weight: float = Field(default=1.0, ge=0)
-    """Multiplier of extra['tool_penalty'] (0 ignores the penalty)."""
-    tool_reward_weight: float = Field(default=1.0, ge=0)
-    """Multiplier of the summed tool rewards (0 ignores them)."""
-    tool_reward_names: list[str] | None = None
-    """Tools whose rewards count; None: every tool that reported one."""
-    min_reward: float | None = None
-    """Lower clip of the combined reward (None: no clip)."""
-    max_reward: float | None = None
-    """Upper clip of the combined reward (None: no clip)."""
-
-    @model_validator(mode="after")
-    def _bounds(self) -> "ToolRewardConfig":
-        if self.min_reward is not None and self.max_reward is not None and self.min_reward > self.max_reward:
-            raise ValueError(f"min_reward {self.min_reward} > max_reward {self.max_reward}")
-        return self
+from agentloop.rewards.config import ToolRewardConfig
 
 
 def _finite(x: Any, what: str) -> float:

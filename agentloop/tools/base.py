@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentloop.tools.schema import validate
 
 if TYPE_CHECKING:
-    from agentloop.sample import Sample
+    from agentloop.records import Sample
     from agentloop.tools.config import ToolsConfig
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentloop.tools.sandbox import SandboxLimits
+from agentloop.tools.sandbox.limits import SandboxLimits
 
 
 class _Section(BaseModel):

@@ -9,7 +9,6 @@ from agentloop.tools.registry import register_tool
 from agentloop.tools.sandbox import SandboxLimits, loop_semaphore, run_python
 
 
-
 @register_tool("python")
 class PythonTool(BaseTool):
     """Executes a Python program in a fresh sandbox and returns what it printed.

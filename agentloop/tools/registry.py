@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Callable, TypeVar, overload
 
 from agentloop.errors import ConfigError
-from agentloop.registries import admit_class
 from agentloop.tools.base import BaseTool
+from agentloop.util.registries import admit_class
 
 _TOOLS: dict[str, type[BaseTool]] = {}
 
@@ -37,9 +37,7 @@ def register_tool(name, cls=None, *, override=False):
 
 
 def get_tool(name: str) -> type[BaseTool]:
-    """The tool class registered under `name`."""
-    import agentloop.tools  # noqa: F401 - registers the built-ins
-
+    """The tool class registered under `name` (the built-ins register when the package is imported)."""
     try:
         return _TOOLS[name]
     except KeyError:
@@ -47,6 +45,4 @@ def get_tool(name: str) -> type[BaseTool]:
 
 
 def list_tools() -> list[str]:
-    import agentloop.tools  # noqa: F401
-
     return sorted(_TOOLS)

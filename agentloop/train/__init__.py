@@ -1,7 +1,13 @@
-"""The learner: GRPO-family policy-gradient training of the HF model with FSDP2.
+"""`agentloop train`: the orchestrator (rollouts, the step loop) and the learner (GRPO-family
+policy-gradient training of the HF model with FSDP2), two processes joined by the mailbox.
 
-Modules, one concept each (lower ones never import higher ones):
+Modules, one concept each. The orchestrator side never imports the learner side (torch, FSDP): it
+starts the learner by command line (learner_process) and talks to it through files (mailbox).
+    orchestrator the step loop of `agentloop train` (orchestrator side)
+    cursor       DataCursor: resumable, epoch-shuffled prompt order (orchestrator side)
+    learner_process  LearnerProcess + learner_command: the learner as a child process group
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
+    flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput
     advantages   estimator registry (grpo, rloo, reinforce_pp) + compute_advantages
     losses       PPO clipped loss, aggregation weights, KL / entropy terms, TIS, Stats
     batching     records -> episodes -> mini-batches -> per-rank padded micro-batches
@@ -9,6 +15,9 @@ Modules, one concept each (lower ones never import higher ones):
     mailbox      file protocol orchestrator <-> learner (MailboxClient is the orchestrator side)
     weight_sync  disk | tensor (CUDA IPC) | nccl (broadcast) weight push to the servers, by name
     learner      Learner (in-process API) and the torchrun entry point `serve` / `main`
+
+May import: every layer below it (rollout, report, models, loops, data, rewards, tools, inference,
+the client, util, the vocabulary); never bench or the CLI.
 
 Add an advantage estimator: write `fn(rewards, groups, lengths, cfg) -> Tensor[B]`, decorate it
 with `@register_estimator("name")`, and set `algo.estimator=name`.
@@ -34,7 +43,7 @@ _EXPORTS = {
     "plan_micro_batches": "batching",
     "latest_checkpoint": "checkpoint",
     "Learner": "learner",
-    "learner_command": "learner",
+    "learner_command": "learner_process",
     "serve": "learner",
     "MailboxClient": "mailbox",
     "MailboxError": "mailbox",

@@ -55,8 +55,8 @@ import torch
 from agentloop.records import EpisodeRecord
 from agentloop.train.advantages import compute_advantages, group_ids
 from agentloop.train.config import AlgoConfig, LossAggMode
+from agentloop.train.flops import RowCost
 from agentloop.train.losses import token_weights
-
 
 Lengths = Sequence[int] | Mapping[int, int]
 """Lengths indexed by the ids being packed (episode indices, or a row's first episode)."""
@@ -229,26 +229,6 @@ def collate(
 
 
 ShareMode = Literal["auto", "on", "off"]
-
-
-@dataclass(frozen=True)
-class RowCost:
-    """Forward cost of a row of L real tokens under a dense attention mask: per_token*L + per_pair*L^2.
-
-    From the FLOP model of agentloop.bench_train: per_token = 2N (N = parameters in matmuls),
-    per_pair = 4 * layers * hidden (QK^T and AV for every query-key pair, masked or not).
-    """
-
-    per_token: float
-    per_pair: float
-
-    def row(self, length: int) -> float:
-        return self.per_token * length + self.per_pair * length * length
-
-    def sharing_pays(self, prompt: int, responses: list[int]) -> bool:
-        """One shared row (prompt + segments) costs less than a row per response."""
-        shared = self.row(prompt + sum(responses))
-        return shared < sum(self.row(prompt + n) for n in responses)
 
 
 def item_length(episodes: list[Episode], item: list[int]) -> int:

@@ -27,10 +27,10 @@ Map:
     init_distributed       join torchrun's process group, or make a single-rank one
     Learner                model + optimizer (+ reference); compute_logprobs, train_step,
                            save_hf, save_checkpoint, load_checkpoint, close; its micro-batches
-                           share a GRPO group's prompt per row where `_row_cost` says it pays
+                           share a GRPO group's prompt per row where `flops.row_cost` says it pays
     serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
     _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
-    learner_command, main  the command line
+    main                   the command line (learner_process.learner_command builds it)
 
 Who calls whom: serve -> Learner -> batching / losses / checkpoint; serve -> weight_sync (pushes);
 Learner never touches the mailbox, so it is the API for an in-process trainer too.
@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.train.config import AlgoConfig, LearnerConfig
+from agentloop.train.flops import row_cost
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
     "EXIT_TIMEOUT",
     "Learner",
     "init_distributed",
-    "learner_command",
     "load_sections",
     "lr_at",
     "main",
@@ -177,7 +177,7 @@ class Learner:
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        self.row_cost = _row_cost(model)
+        self.row_cost = row_cost(model)
         self.model = self._shard(model, mixed=self.compute_dtype != torch.float32)
         self.model.train()
         self.ref_model = None
@@ -406,7 +406,10 @@ class Learner:
         import torch
         import torch.distributed as dist
         from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         path = Path(path)
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -485,15 +488,6 @@ class Learner:
 # the mailbox loop ----------------------------------------------------------------------------
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
-
-
-def _row_cost(model) -> Any:
-    """`RowCost` of an HF causal LM, from the FLOP model of agentloop.bench_train."""
-    from agentloop.bench_train import flop_params
-    from agentloop.train.batching import RowCost
-
-    c = model.config
-    return RowCost(per_token=2.0 * flop_params(model), per_pair=4.0 * c.num_hidden_layers * c.hidden_size)
 
 
 def _bcast(obj: Any, device) -> Any:
@@ -657,53 +651,17 @@ def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, 
 # command line --------------------------------------------------------------------------------
 
 def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[AlgoConfig, LearnerConfig]:
-    """algo/learner sections from a YAML/JSON file (other top-level keys ignored) plus overrides."""
-    import yaml
-
+    """The algo and learner sections of the run's config: `load_config` (the CLI's parser and syntax) on the
+    file plus `--set` overrides. An override outside algo./learner. is refused: the learner reads nothing else."""
+    from agentloop.config import load_config, parse_override
     from agentloop.errors import ConfigError
 
-    raw: dict[str, Any] = {}
-    if config is not None:
-        raw = yaml.safe_load(Path(config).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{config}: expected a mapping at the top level")
-    data = {"algo": dict(raw.get("algo") or {}), "learner": dict(raw.get("learner") or {})}
     for ov in overrides:
-        key, sep, value = ov.partition("=")
-        section, _, name = key.partition(".")
-        if not sep or section not in data or not name:
-            raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE")
-        data[section][name] = yaml.safe_load(value)
-    try:
-        return AlgoConfig(**data["algo"]), LearnerConfig(**data["learner"])
-    except Exception as e:  # pydantic ValidationError -> our ConfigError, key named by pydantic
-        raise ConfigError(str(e)) from None
-
-
-def learner_command(
-    run_dir: str | Path,
-    model_path: str | Path,
-    *,
-    nproc: int = 1,
-    config: str | Path | None = None,
-    overrides: list[str] | None = None,
-    resume: bool = True,
-    python: str = sys.executable,
-) -> list[str]:
-    """argv that launches the mailbox learner: torchrun for nproc > 1, plain python otherwise."""
-    if nproc > 1:
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "agentloop.train.learner"]
-    else:
-        cmd = [python, "-m", "agentloop.train.learner"]
-    cmd += ["--run-dir", str(run_dir), "--model", str(model_path)]
-    if config is not None:
-        cmd += ["--config", str(config)]
-    for ov in overrides or []:
-        cmd += ["--set", ov]
-    if not resume:
-        cmd.append("--no-resume")
-    return cmd
+        key, _ = parse_override(ov)
+        if key.split(".", 1)[0] not in ("algo", "learner") or "." not in key:
+            raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE (the learner reads no other section)")
+    cfg = load_config(config, overrides)
+    return cfg.algo, cfg.learner
 
 
 def main(argv: list[str] | None = None) -> int:

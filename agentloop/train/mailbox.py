@@ -66,6 +66,7 @@ from typing import Any, Iterable
 
 from agentloop.errors import AgentLoopError
 from agentloop.records import EpisodeRecord, read_records
+from agentloop.util.fsio import atomic_write_json, atomic_write_text
 
 
 class MailboxError(AgentLoopError):
@@ -87,19 +88,6 @@ class LearnerFailedError(MailboxError):
         super().__init__(message)
         self.step = step
         self.traceback = traceback
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, default=str))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

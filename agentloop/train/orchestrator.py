@@ -2,10 +2,10 @@
 
 Map:
     train_async        the whole run on one event loop: servers, learner process, the step loop
-    LearnerProcess     the learner ranks as a child process group (torchrun for nproc > 1), its log,
-                       and a bounded shutdown
-    DataCursor         deterministic, resumable order of training prompts (epoch-shuffled)
-    StepLog            metrics.jsonl + TensorBoard + progress lines + the reward-curve page
+    rollout_metrics    a step's records -> train/... or val/... numbers
+    recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
+Parts elsewhere: LearnerProcess (learner_process.py), DataCursor (cursor.py), the mailbox
+(mailbox.py), StepLog and the progress line (agentloop.report).
 
 Synchronous on-policy schedule: every episode of step N is sampled with the weights of step
 N-1; the servers get the new weights (pause -> /update_weights_from_disk -> flush -> resume)
@@ -17,7 +17,7 @@ Resume: the learner resumes from its last checkpoint and reports `next_step` and
 position stored with it; the servers load that step's weights before rolling out again. After a
 kill: a step whose batch was already submitted keeps its rollouts (the learner trains that very
 batch), the partial rollouts file of the step in flight is replaced, and metrics.jsonl keeps one
-line per step (`StepLog.resume_at`). The learner gets SIGTERM when this process dies, even by
+line per step (`recover_step_rows`). The learner gets SIGTERM when this process dies, even by
 SIGKILL, so it never outlives the run to race a resumed one.
 Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers are stopped by
 `serving`, and the last checkpoint stays usable.
@@ -26,12 +26,7 @@ Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers a
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
-import os
-import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,14 +34,19 @@ from typing import Any
 
 from agentloop.config import Config, DataConfig, dump_config
 from agentloop.data import load_samples
-from agentloop.engine import RolloutEngine, RolloutResult, Scorer
-from agentloop.errors import AgentLoopError, ConfigError
+from agentloop.errors import AgentLoopError
+from agentloop.inference.serving import serving
 from agentloop.loops import get_agent_loop
-from agentloop.plots import write_curves_html
-from agentloop.records import EpisodeRecord, read_records
-from agentloop.rundir import RecordWriter, make_run_dir, write_json
-from agentloop.runtime import load_tokenizer_for, run_async, serving
-from agentloop.sample import Sample
+from agentloop.models.loading import load_tokenizer_for
+from agentloop.records import EpisodeRecord, Sample, read_records
+from agentloop.report.progress import emit, fmt_fields, progress_line
+from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
+from agentloop.rollout.engine import RolloutEngine, RolloutResult
+from agentloop.rollout.scorer import Scorer
+from agentloop.train.cursor import DataCursor
+from agentloop.train.learner_process import LearnerProcess
+from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
+from agentloop.util.runtime import run_async
 
 
 class TrainingError(AgentLoopError):
@@ -56,99 +56,8 @@ class TrainingError(AgentLoopError):
 # ---------------------------------------------------------------------------- data order
 
 
-class DataCursor:
-    """Prompts in a per-epoch shuffled order; `position` counts prompts consumed (resumable)."""
-
-    def __init__(self, samples: list[Sample], seed: int, position: int = 0):
-        if not samples:
-            raise ConfigError("the training set is empty")
-        self.samples = samples
-        self.seed = seed
-        self.position = position
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.samples)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def take(self, n: int) -> list[Sample]:
-        out = []
-        for _ in range(n):
-            epoch, k = divmod(self.position, len(self.samples))
-            out.append(self.samples[self._order(epoch)[k]])
-            self.position += 1
-        return out
-
-
 def _data(path: str | None, builtin: str, max_samples: int | None = None) -> list[Sample]:
     return load_samples(DataConfig(path=path, builtin=builtin, max_samples=max_samples))
-
-
-# ---------------------------------------------------------------------------- learner process
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the learner when the orchestrator dies, even by SIGKILL (Linux; best effort).
-
-    The learner runs in a session of its own (a Ctrl-C must not reach it before STOP does), so a
-    kill of the orchestrator's process group would otherwise leave it training, and a resumed run
-    would start a second learner on the same run dir. SIGTERM rather than SIGKILL so that torchrun
-    (nproc > 1) still stops its ranks, which it starts in sessions of their own.
-    """
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class LearnerProcess:
-    """The learner ranks as one child process group, with its output in run_dir/learner.log."""
-
-    def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
-        from agentloop.train.learner import learner_command
-
-        self.cmd = learner_command(run_dir, model_path, nproc=cfg.learner.nproc, config=run_dir / "config.yaml",
-                                   resume=cfg.train.resume)
-        self.log_path = run_dir / "learner.log"
-        self.weight_sync = cfg.learner.weight_sync
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> subprocess.Popen:
-        env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # don't spin on cores the servers need
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.weight_sync == "nccl":
-            env.setdefault("NCCL_CUMEM_ENABLE", "0")  # see launcher.LocalServer.environment
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        log.close()
-        return self.proc
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, grace_s: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                return self.proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.poll()
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -172,94 +81,19 @@ def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, floa
     return m
 
 
-class StepLog:
-    """metrics.jsonl (one line per step), optional TensorBoard, progress lines, reward curves."""
+def recover_step_rows(log: StepLog, first: int, paths: Any, run_dir: Path) -> None:
+    """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
+    e.g. after the last checkpoint), and log a step < first that the learner finished but that
+    has no line (killed between its update and its line) from its rollouts and update.done."""
+    log.truncate_from(first)
+    last = first - 1
+    done, recs = paths.done(last), run_dir / "rollouts" / f"step-{last:06d}.jsonl"
+    if last >= 1 and not any(r.get("step") == last for r in log.rows) and done.is_file() and recs.is_file():
+        metrics = json.loads(done.read_text()).get("metrics", {})
+        row: dict[str, Any] = {"step": float(last), **rollout_metrics(list(read_records(recs)), "train")}
+        row.update({f"learner/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        log.log(row)
 
-    def __init__(self, cfg: Config, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
-        self.run_dir = run_dir
-        self.rows: list[dict[str, float]] = []
-        if self.path.exists():  # resumed run: keep earlier steps for the curve
-            self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        self.tb = None
-        if cfg.train.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
-        self.wandb = _start_wandb(cfg, run_dir) if cfg.train.wandb_project else None
-
-    def resume_at(self, first: int, paths: Any) -> None:
-        """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
-        e.g. after the last checkpoint), and log a step < first that the learner finished but that
-        has no line (killed between its update and its line) from its rollouts and update.done."""
-        kept = [r for r in self.rows if r.get("step", 0) < first] if first > 1 else []
-        if kept != self.rows:
-            from agentloop.train.mailbox import atomic_write_text
-
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-            self.rows = kept
-        last = first - 1
-        done, recs = paths.done(last), self.run_dir / "rollouts" / f"step-{last:06d}.jsonl"
-        if last >= 1 and not any(r.get("step") == last for r in self.rows) and done.is_file() and recs.is_file():
-            metrics = json.loads(done.read_text()).get("metrics", {})
-            row: dict[str, Any] = {"step": float(last), **rollout_metrics(list(read_records(recs)), "train")}
-            row.update({f"learner/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-            self.log(row)
-
-    def log(self, row: dict[str, float]) -> None:
-        self.rows = [r for r in self.rows if r.get("step") != row["step"]] + [row]
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, int(row["step"]))
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
-                           step=int(row["step"]))
-
-    def curves(self) -> Path:
-        def series(key: str) -> list[tuple[float, float]]:
-            return [(r["step"], r[key]) for r in self.rows if key in r]
-
-        charts = [("reward", {"train reward": series("train/reward"), "val reward": series("val/reward")}),
-                  ("accuracy", {"train": series("train/accuracy"), "val": series("val/accuracy")})]
-        if any("train/tool_call_rate" in r for r in self.rows):
-            charts.append(("tool-call rate", {"train": series("train/tool_call_rate"),
-                                              "val": series("val/tool_call_rate")}))
-        charts.append(("KL to the reference / entropy",
-                       {label: series(k) for k, label in ((KL_KEY, "kl"), (ENTROPY_KEY, "entropy")) if series(k)}))
-        charts.append(("response tokens", {"train": series("train/response_tokens")}))
-        return write_curves_html(self.run_dir / "curves.html", "agentloop train", charts, str(self.run_dir))
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
-
-
-def _start_wandb(cfg: Config, run_dir: Path) -> Any:
-    """A W&B run for `train.wandb_project`, resumable: its id is kept in the run dir."""
-    try:
-        import wandb
-    except ImportError as e:
-        raise ConfigError("train.wandb_project is set but the wandb package is not installed "
-                          "(pip install wandb; or unset train.wandb_project)") from e
-    id_file = run_dir / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-    id_file.write_text(run_id + "\n")
-    return wandb.init(project=cfg.train.wandb_project, name=cfg.train.wandb_run_name or run_dir.name, id=run_id,
-                      resume="allow", dir=str(run_dir), config=cfg.model_dump(mode="json"))
-
-
-KL_KEY, ENTROPY_KEY = "learner/actor/kl_ref", "learner/actor/entropy"
-"""The learner's metrics (prefixed `learner/` in metrics.jsonl) that the progress line and curves show."""
 
 _PROGRESS_LABELS = {
     "train/reward": "reward", "train/accuracy": "accuracy", "train/tool_call_rate": "tool calls",
@@ -269,24 +103,20 @@ _PROGRESS_LABELS = {
 """Progress-line fields: metrics key -> label (keys missing from a row are left out)."""
 
 
-def _fmt(row: dict[str, float], keys: list[str]) -> str:
-    return " | ".join(f"{_PROGRESS_LABELS.get(k, k)} {row[k]:.3g}" for k in keys if k in row)
-
-
 # ---------------------------------------------------------------------------- the run
 
 
 def resolve_train_model(cfg: Config) -> Path:
     if cfg.model.path:
-        from agentloop.runtime import resolve_model
+        from agentloop.models.loading import resolve_model
 
         return resolve_model(cfg)
     if cfg.train.warm_start:
-        from agentloop.warmstart import ensure_warm_model
+        from agentloop.models.warmstart import ensure_warm_model
 
         print("agentloop train: building (once, cached) the warm-started tiny model ...", file=sys.stderr, flush=True)
         return ensure_warm_model()
-    from agentloop.modelzoo import ensure_tiny_model
+    from agentloop.models.modelzoo import ensure_tiny_model
 
     return ensure_tiny_model()
 
@@ -352,7 +182,7 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
             first = int(info.get("next_step") or 1)
             cursor = DataCursor(train_samples, cfg.rollout.seed, int(info.get("data_position") or 0))
-            log.resume_at(first, client.paths)
+            recover_step_rows(log, first, client.paths, run_dir)
             if first > 1:
                 prev = client.paths.weights(first - 1)
                 if prev.is_dir():
@@ -363,8 +193,8 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if first == 1 and val_samples:
                 row = {"step": 0.0, **await _validate(engine, val_samples, 0, run_dir)}
                 log.log(row)
-                print(f"step 0/{cfg.train.steps} | " + _fmt(row, ["val/reward", "val/accuracy", "val/tool_call_rate"]),
-                      file=sys.stderr, flush=True)
+                emit(progress_line(0, cfg.train.steps, "steps", fmt_fields(
+                    row, _PROGRESS_LABELS, ["val/reward", "val/accuracy", "val/tool_call_rate"])))
             for step in range(first, cfg.train.steps + 1):
                 t0 = time.monotonic()
                 batch = cursor.take(cfg.train.prompts_per_step)
@@ -403,12 +233,10 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
                     row.update(await _validate(engine, val_samples, step, run_dir))
                 log.log(row)
                 log.curves()
-                bar = "#" * int(24 * step / cfg.train.steps)
-                print(f"[{bar:<24}] step {step}/{cfg.train.steps} | "
-                      + _fmt(row, ["train/reward", "train/accuracy", "train/tool_call_rate", KL_KEY,
-                                   ENTROPY_KEY, "train/response_tokens", "val/reward", "val/accuracy"])
-                      + f" | rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s",
-                      file=sys.stderr, flush=True)
+                emit(progress_line(step, cfg.train.steps, "steps", fmt_fields(
+                    row, _PROGRESS_LABELS, ["train/reward", "train/accuracy", "train/tool_call_rate", KL_KEY,
+                                            ENTROPY_KEY, "train/response_tokens", "val/reward", "val/accuracy"])
+                    + [f"rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s"]))
                 final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
             client.stop()
     finally:
@@ -434,7 +262,7 @@ async def _validate(engine: RolloutEngine, samples: list[Sample], step: int, run
 
 
 def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
-    from agentloop.evaluate import load_plugins
+    from agentloop.rollout.run import load_plugins
 
     load_plugins(cfg)
     if cfg.learner.checkpoint_every is None:

@@ -1,0 +1,79 @@
+"""Chat-template diffing for multi-turn loops: is the template append-only for tool turns, and what text
+does it write after an assistant message (e.g. "<|im_end|>\\n")? Measured once per template.
+
+    TemplateInfo    the measured turn suffix
+    template_info   render a probe conversation four ways, check each rendering extends the previous one
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentloop.errors import ConfigError
+
+_MARK = "AGENTLOOP_CONTENT_END_7f3a"
+
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    turn_suffix: str
+    """Text the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
+
+
+
+_TEMPLATE_CACHE: dict[str, TemplateInfo] = {}
+
+
+
+def _first_diff(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+
+def require_prefix(shorter: str, longer: str, what: str) -> None:
+    if not longer.startswith(shorter):
+        i = _first_diff(shorter, longer)
+        raise ConfigError(
+            f"the chat template is not append-only for tool turns: {what}. First difference at character "
+            f"{i}: {shorter[max(0, i - 40):i + 40]!r} vs {longer[max(0, i - 40):i + 40]!r}. tool_agent_loop "
+            "needs a template where adding messages only appends text (set model.tokenizer_path to a "
+            "tokenizer with such a template)")
+
+
+
+def template_info(render, *, check: bool = True, cache_key: str | None = None) -> TemplateInfo:
+    """Measure (and with `check`, verify) the template once; `render(messages, tools, add_generation_prompt)`."""
+    if cache_key is not None and cache_key in _TEMPLATE_CACHE:
+        return _TEMPLATE_CACHE[cache_key]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "q": {"type": "string"}}, "required": ["q"]}}}]
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+    u = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    a1 = {"role": "assistant", "content": "thinking " + call + _MARK}
+    t1 = {"role": "tool", "name": "lookup", "content": "R1"}
+    a2 = {"role": "assistant", "content": call + _MARK}
+    t2 = {"role": "tool", "name": "lookup", "content": "R2"}
+    try:
+        A1 = render(u + [a1], tools, False)
+        B1 = render(u + [a1, t1], tools, True)
+        A2 = render(u + [a1, t1, a2], tools, False)
+        B2 = render(u + [a1, t1, a2, t2], tools, True)
+    except Exception as e:  # noqa: BLE001 - re-raised as a config problem with the cause
+        raise ConfigError(f"the chat template cannot render a tool conversation: {type(e).__name__}: {e}") from e
+    if _MARK not in A1 or _MARK not in A2:
+        raise ConfigError("the chat template drops assistant message content; tool_agent_loop cannot use it")
+    suffix = A1[A1.rindex(_MARK) + len(_MARK):]
+    if check:
+        require_prefix(A1, B1, "adding a tool message changes the text before it")
+        require_prefix(B1, A2, "adding an assistant message after a tool message changes the text before it")
+        require_prefix(A2, B2, "adding a second tool message changes the text before it")
+        if A2[A2.rindex(_MARK) + len(_MARK):] != suffix:
+            raise ConfigError("the chat template ends assistant turns differently from turn to turn "
+                              f"({suffix!r} vs {A2[A2.rindex(_MARK) + len(_MARK):]!r})")
+    info = TemplateInfo(turn_suffix=suffix)
+    if cache_key is not None:
+        _TEMPLATE_CACHE[cache_key] = info
+    return info

@@ -1,0 +1,49 @@
+"""Scoring an episode: which reward function applies (custom, code, or by data_source) and the text it sees."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from agentloop.config import Config
+from agentloop.errors import RewardError
+from agentloop.records import AgentLoopOutput, Sample
+from agentloop.rewards import get_reward, load_custom_reward, score_episode
+from agentloop.rewards.code import make_code_reward
+from agentloop.rewards.scoring import call_reward, normalize_reward
+
+
+class Scorer:
+    """Chooses and calls the reward function of an episode (custom one, or by data_source)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.custom = load_custom_reward(cfg.reward.custom) if cfg.reward.custom else None
+        # Rewards that need run config (sandbox limits) are built here rather than registered globally.
+        self.overrides = {"agentloop/code": make_code_reward(cfg.reward.code, limits=cfg.tools.python)}
+
+    async def score(self, sample: Sample, solution_str: str) -> tuple[float, dict[str, Any]]:
+        fn = (self.custom or self.overrides.get(sample.data_source)
+              or get_reward(sample.data_source, default=self.cfg.reward.default))
+        if inspect.iscoroutinefunction(fn):
+            try:
+                raw = await call_reward(fn, {"data_source": sample.data_source, "solution_str": solution_str,
+                                             "ground_truth": sample.ground_truth, "extra_info": sample.extra_info})
+            except RewardError:
+                raise
+            except Exception as e:  # noqa: BLE001 - named and re-raised as a reward failure
+                raise RewardError(f"reward for {sample.data_source!r} raised {type(e).__name__}: {e}") from e
+            result = normalize_reward(raw, sample.data_source)
+        else:
+            result = score_episode(fn, sample.data_source, solution_str, sample.ground_truth, sample.extra_info)
+        return result.score, result.info
+
+
+
+def solution_text(out: AgentLoopOutput, tokenizer: Any) -> str:
+    """The text a reward sees: the loop's `solution_str`/`response_text` if given, else the decoded response."""
+    for key in ("solution_str", "response_text"):
+        v = out.extra.get(key)
+        if isinstance(v, str):
+            return v
+    return tokenizer.decode(out.response_ids, skip_special_tokens=True)

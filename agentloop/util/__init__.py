@@ -1,0 +1,11 @@
+"""Small helpers with no knowledge of RL: the build-once cache, run directories and record writers,
+atomic file writes, the class-registry admission rule, and the command's one event loop.
+
+    cache.py       build_once (file lock + temp dir + rename), import_python_file
+    rundir.py      make_run_dir, RecordWriter, write_json, package versions
+    fsio.py        atomic_write_text / atomic_write_json
+    registries.py  admit_class: the rule every class registry applies
+    runtime.py     run_async: uvloop when installed
+
+May import: the vocabulary only.
+"""

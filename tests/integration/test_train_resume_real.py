@@ -1,0 +1,342 @@
+"""`agentloop train` killed hard mid-run, twice, and resumed: nothing lost, nothing repeated.
+
+The whole command (orchestrator + its learner child) runs as a subprocess against the session's
+real SGLang server, and its process group gets SIGKILL twice: (1) with step 2 checkpointed and
+step 3's rollouts half written (a stalling reward holds the run there), (2) after resuming, once
+step 4's batch is in the learner's mailbox. Each time the learner, which runs in a session of its
+own, must die with the command. The same command (`train.resume=true`) then finishes the run.
+
+"Nothing lost or repeated" means, in the final run directory:
+- metrics.jsonl holds one line per step 1..4;
+- rollouts/step-N.jsonl holds exactly that step's prompts_per_step x n_samples episodes: the
+  partial file of a step in flight is replaced, not appended to; a step whose batch was already
+  submitted keeps its rollouts, which are exactly the batch the learner trained;
+- the prompts of every step are those an uninterrupted run takes (the DataCursor's order);
+- the learner resumed from its checkpoints and its optimizer went on counting (AdamW's step
+  counter in the last checkpoint is 4);
+- the records of step N were sampled with the weights of step N-1 (a resumed run pushes the
+  checkpointed weights before rolling out), and the server ends with the learner's final weights.
+
+The server's original weights are restored afterwards, as in test_train_real. Whether the second
+kill lands before or after the learner's step-4 checkpoint depends on timing (both are checked);
+what a real run cannot hit on demand (a step updated but not logged, lines of steps after the
+last checkpoint) is covered on files by test_step_log_resume_at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentloop.config import DataConfig, load_config
+from agentloop.data import load_samples
+from agentloop.records import EpisodeRecord, read_records
+from agentloop.report.steplog import StepLog
+from agentloop.train.checkpoint import list_checkpoints, read_meta
+from agentloop.train.cursor import DataCursor
+from agentloop.train.mailbox import MailboxPaths
+from agentloop.train.orchestrator import recover_step_rows
+from tests.integration.test_train_real import (
+    FIXED,
+    _hf_logprobs,
+    _load,
+    _server_logprobs,
+)
+
+STEPS, PROMPTS, SAMPLES = 4, 2, 2
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_dead(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return [ln for ln in path.read_text().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return ""
+
+
+def _optimizer_steps(ckpt: Path, tmp: Path) -> set[float]:
+    """AdamW's per-parameter `step` counters stored in a (DCP) checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / "ckpt.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    state = torch.load(out, weights_only=False)["optim"]["state"]
+    return {float(s["step"]) for s in state.values()}
+
+
+def _stop_all(procs: list, learner_pids: list[int], url: str, model_path: Path) -> None:
+    """Kill whatever a test started and give the shared server its original weights back."""
+    for p in procs:
+        _killpg(p.pid)
+    for pid in learner_pids:
+        _killpg(pid)
+    asyncio.run(_load(url, str(model_path)))
+
+
+def _run_until(cmd: list[str], env: dict[str, str], log_path: Path, procs: list, until, what: str) -> int:
+    """Start `cmd` in a session of its own; once `until()` holds, SIGKILL its process group and
+    return the learner's pid (read from learner.json before the kill)."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    procs.append(proc)
+    deadline = time.monotonic() + 300
+    while not until():
+        assert proc.poll() is None, f"run exited ({proc.returncode}) before {what}:\n{_tail(log_path)}"
+        assert time.monotonic() < deadline, f"no {what} after 300 s:\n{_tail(log_path)}"
+        time.sleep(0.02)
+    pid = int(json.loads((log_path.parent / "run" / "mailbox" / "learner.json").read_text())["pid"])
+    _killpg(proc.pid)
+    proc.wait(timeout=30)
+    # the learner runs in a session of its own; it must not outlive the command
+    assert _wait_dead(pid, 15), f"the learner (pid {pid}) outlived the killed `agentloop train`"
+    return pid
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_model_path, tmp_path):
+    url = sglang_server.url
+    run_dir = tmp_path / "run"
+    plugin, stall = tmp_path / "reward.py", tmp_path / "stall"
+    # A reward with variance on a random model, so GRPO advantages (and weight changes) are non-zero.
+    # While `stall` exists it blocks the orchestrator from its (2 * PROMPTS * SAMPLES + 2)th call on,
+    # i.e. after step 3's first record: the first kill then finds step 3's rollouts half written.
+    plugin.write_text(
+        "import os, time\n_calls = [0]\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    _calls[0] += 1\n"
+        f"    if _calls[0] > {2 * PROMPTS * SAMPLES + 1} and os.path.exists({str(stall)!r}):\n"
+        "        time.sleep(120)\n"
+        "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
+    stall.touch()
+    overrides = [f"train.steps={STEPS}", f"train.prompts_per_step={PROMPTS}", f"rollout.n_samples={SAMPLES}",
+                 "train.val_every=0", "sampling.max_new_tokens=6", "learner.lr=0.001",
+                 "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
+                 "learner.checkpoint_every=1", "learner.keep_checkpoints=2", "train.tensorboard=false",
+                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300"]
+    cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
+           "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
+           *overrides]
+    resume_cmd = cmd + ["train.resume=true"]
+    ckpts, rollouts, mailbox = run_dir / "checkpoints", run_dir / "rollouts", run_dir / "mailbox"
+    logs = [tmp_path / f"run{i}.log" for i in (1, 2, 3)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    learner_pids: list[int] = []
+    procs: list[subprocess.Popen] = []
+    before = asyncio.run(_server_logprobs(url, FIXED))
+    t0 = time.monotonic()
+    try:
+        # 1. killed with step 2 checkpointed and step 3's rollouts half written
+        learner_pids.append(_run_until(cmd, env, logs[0], procs, lambda: (
+            (ckpts / "step-000002" / "meta.json").is_file() and _lines(rollouts / "step-000003.jsonl")),
+            "step 3's first record"))
+        t_kill1 = time.monotonic() - t0
+        stall.unlink()
+        assert [p.name for p in list_checkpoints(ckpts)] == ["step-000001", "step-000002"]
+        assert len(_lines(rollouts / "step-000003.jsonl")) == 1 and not mailbox.joinpath("step-000003").exists()
+        assert [json.loads(ln)["step"] for ln in _lines(run_dir / "metrics.jsonl")] == [1.0, 2.0]
+
+        # 2. resumed, killed again once step 4's batch is submitted (the learner is on it)
+        learner_pids.append(_run_until(resume_cmd, env, logs[1], procs,
+                                       lambda: (mailbox / "step-000004" / "batch.ready").exists(),
+                                       "step 4's batch"))
+        t_kill2 = time.monotonic() - t0
+        assert "resumed at step 3 (data position 4)" in logs[1].read_text()
+        at_kill2 = {"checkpoints": [p.name for p in list_checkpoints(ckpts)],
+                    "step4_done": (mailbox / "step-000004" / "update.done").exists(),
+                    "metrics_steps": [json.loads(ln)["step"] for ln in _lines(run_dir / "metrics.jsonl")]}
+        print(f"kill 1 at {t_kill1:.1f}s (step 3 half rolled out); kill 2 at {t_kill2:.1f}s: {at_kill2}")
+
+        # 3. resumed again, to the end
+        with logs[2].open("wb") as log:
+            third = subprocess.Popen(resume_cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        procs.append(third)
+        try:
+            rc = third.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"resumed run did not finish:\n{_tail(logs[2])}")
+        assert rc == 0, f"resumed run failed ({rc}):\n{_tail(logs[2])}\n--- learner.log ---\n" \
+                        f"{_tail(run_dir / 'learner.log')}"
+        info = json.loads((mailbox / "learner.json").read_text())
+        learner_pids.append(int(info["pid"]))
+        after = asyncio.run(_server_logprobs(url, FIXED))
+        learner_lp = _hf_logprobs(run_dir / "weights" / f"step-{STEPS:06d}", FIXED)
+    finally:
+        _stop_all(procs, learner_pids, url, tiny_model_path)
+    print(f"total {time.monotonic() - t0:.1f}s")
+    restored = asyncio.run(_server_logprobs(url, FIXED))
+    assert max(abs(a - b) for a, b in zip(before, restored)) < 1e-4
+
+    # the last resume: where it started, and that the learner continued its own state
+    resumed_step = info["resumed_step"]
+    assert resumed_step in (3, 4) and info["status"] == "stopped" and info.get("last_step") == STEPS
+    if resumed_step < STEPS:  # killed before step 4's checkpoint: the submitted batch is trained as is
+        assert f"resumed at step {resumed_step + 1}" in logs[2].read_text()
+    assert [read_meta(p).step for p in list_checkpoints(ckpts)] == [STEPS - 1, STEPS]
+    last = read_meta(list_checkpoints(ckpts)[-1])
+    assert last.data_position == STEPS * PROMPTS
+    assert _optimizer_steps(last.path, tmp_path) == {float(STEPS)}  # 4 AdamW steps: state continued
+
+    # metrics: each step exactly once
+    rows = [json.loads(ln) for ln in _lines(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [float(s) for s in range(1, STEPS + 1)]
+    assert all(r["learner/actor/optimizer_steps"] == 1.0 for r in rows)
+
+    # rollouts: every step complete, once, with the prompts of an uninterrupted run
+    cfg = load_config(None, [f"server.urls=[\"{url}\"]", *overrides])
+    cursor = DataCursor(load_samples(DataConfig(builtin=cfg.train.builtin)), cfg.rollout.seed)
+    for step in range(1, STEPS + 1):
+        recs = list(read_records(rollouts / f"step-{step:06d}.jsonl"))
+        want = sorted(s.index for s in cursor.take(PROMPTS) for _ in range(SAMPLES))
+        assert sorted(r.index for r in recs) == want, f"step {step}: prompts differ from an uninterrupted run"
+        assert len({r.episode_id for r in recs}) == PROMPTS * SAMPLES
+        assert all(r.step == step and r.error is None for r in recs)
+        if step > 1:  # sampled with the previous step's weights (after the resume too)
+            assert {v for r in recs for v in r.weight_versions} == {str(step - 1)}, f"step {step}"
+        batch = list(read_records(mailbox / f"step-{step:06d}" / "batch.jsonl"))
+        assert sorted(r.episode_id for r in batch) == sorted(r.episode_id for r in recs)
+        assert [r.response_ids for r in sorted(batch, key=lambda r: r.episode_id)] == \
+            [r.response_ids for r in sorted(recs, key=lambda r: r.episode_id)], f"step {step}: trained != logged"
+
+    # the server ended with the learner's final weights
+    assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3, "server weights did not change"
+    assert max(abs(a - b) for a, b in zip(after, learner_lp)) < 2e-3, "server != learner's final weights"
+
+    # nothing left running
+    assert all(p.poll() is not None for p in procs)
+    assert not any(_alive(pid) for pid in learner_pids), "a learner process is still running"
+
+
+def _rec(index: int, repeat: int, reward: float) -> EpisodeRecord:
+    return EpisodeRecord(prompt_ids=[1, 2], response_ids=[3], response_mask=[1], response_logprobs=[-0.5],
+                         reward=reward, episode_id=f"{index}-{repeat}", index=index, repeat=repeat,
+                         data_source="x", loop="single_turn_agent_loop", seed=0, step=3)
+
+
+def test_step_log_resume_at(tmp_path):
+    cfg = load_config(None, ['server.urls=["http://127.0.0.1:1"]', "train.tensorboard=false"])
+    paths = MailboxPaths(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def write_rows(steps):
+        metrics.write_text("".join(json.dumps({"step": float(s), "train/reward": s / 10}) + "\n" for s in steps))
+
+    # checkpoint_every=2, killed after step 5 was logged, resumed from checkpoint 2: steps 3..5 are redone
+    write_rows([0, 1, 2, 3, 4, 5])
+    log = StepLog(cfg, tmp_path)
+    recover_step_rows(log, 3, paths, tmp_path)
+    assert [r["step"] for r in log.rows] == [0, 1, 2]
+    assert [json.loads(ln)["step"] for ln in _lines(metrics)] == [0, 1, 2]
+
+    # killed after the learner's update.done of step 3 (and checkpoint 3) but before its line
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "step-000003.jsonl").write_text(
+        "".join(_rec(7, r, float(r)).model_dump_json() + "\n" for r in range(2)))
+    paths.step_dir(3).mkdir(parents=True)
+    (paths.done(3)).write_text(json.dumps({"step": 3, "metrics": {"actor/grad_norm": 0.25, "note": "x"}}))
+    log = StepLog(cfg, tmp_path)
+    recover_step_rows(log, 4, paths, tmp_path)
+    rows = [json.loads(ln) for ln in _lines(metrics)]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows == log.rows
+    assert rows[-1]["learner/actor/grad_norm"] == 0.25 and rows[-1]["train/reward"] == 0.5
+    assert rows[-1]["train/episodes"] == 2.0 and "learner/note" not in rows[-1]
+    recover_step_rows(log, 4, paths, tmp_path)  # idempotent
+    assert [json.loads(ln)["step"] for ln in _lines(metrics)] == [0, 1, 2, 3]
+
+    # nothing survives a restart from scratch (the step-0 validation line is written again)
+    recover_step_rows(log, 1, paths, tmp_path)
+    assert log.rows == [] and _lines(metrics) == []
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path, tmp_path):
+    """SIGINT to the command's process group (a terminal's Ctrl-C) mid-run: exit 130 within seconds,
+    the learner gone, the server serving (not left paused), and the last checkpoint resumes."""
+    url = sglang_server.url
+    run_dir = tmp_path / "run"
+    overrides = ["train.steps=3", "train.prompts_per_step=2", "rollout.n_samples=2", "train.val_every=0",
+                 "sampling.max_new_tokens=6", "learner.checkpoint_every=1", "train.tensorboard=false",
+                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300"]
+    cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
+           "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
+           *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log_path, log2_path = tmp_path / "run1.log", tmp_path / "run2.log"
+    procs: list[subprocess.Popen] = []
+    learner_pids: list[int] = []
+    try:
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append(proc)
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-000001" / "meta.json").is_file():
+            assert proc.poll() is None, f"run exited ({proc.returncode}) early:\n{_tail(log_path)}"
+            assert time.monotonic() < deadline, f"no checkpoint 1 after 300 s:\n{_tail(log_path)}"
+            time.sleep(0.02)
+        learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        stop_s = time.monotonic() - t0
+        assert rc == 130, f"exit {rc}:\n{_tail(log_path)}"
+        assert stop_s < 30, f"took {stop_s:.1f}s to stop"
+        assert _wait_dead(learner_pids[0], 15), "the learner outlived Ctrl-C"
+        # the server was resumed if the interrupt hit a paused weight push: it still generates
+        assert len(asyncio.run(_server_logprobs(url, FIXED))) == len(FIXED) - 1
+
+        with log2_path.open("wb") as log:
+            second = subprocess.Popen(cmd + ["train.resume=true"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        procs.append(second)
+        rc2 = second.wait(timeout=300)
+        assert rc2 == 0, f"resumed run failed ({rc2}):\n{_tail(log2_path)}"
+        learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
+    finally:
+        _stop_all(procs, learner_pids, url, tiny_model_path)
+    assert "resumed at step" in log2_path.read_text()
+    rows = [json.loads(ln) for ln in _lines(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert [read_meta(p).step for p in list_checkpoints(run_dir / "checkpoints")][-1] == 3
+    assert not any(_alive(pid) for pid in learner_pids)

@@ -1,0 +1,430 @@
+"""tool_agent_loop driven by a scripted fake server: token exactness, masks, limits, tool failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from pydantic import Field
+
+from agentloop.config import Config, SamplingParams
+from agentloop.errors import ConfigError
+from agentloop.loops.registry import get_agent_loop
+from agentloop.loops.template import template_info
+from agentloop.loops.tool_agent import ToolAgentLoop
+from agentloop.records import Sample, TokenOutput
+from agentloop.tools import BaseTool, ToolResponse, ToolsConfig, register_tool
+
+# ---------------------------------------------------------------- a throwaway tokenizer
+
+# Our own ChatML-with-tools template; unlike the model zoo's, every tool message is its own
+# `<|im_start|>tool` block, so the loop is exercised on two template shapes.
+TEST_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if message.role == 'system' -%}{{- message.content + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n<tools>' -}}"
+    "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' -}}"
+    "{%- if message.role != 'system' -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_TRAIN = [
+    "What is 12 * 7? Let me use the calculator.", '{"name": "calculator", "arguments": {"expression": "12*7"}}',
+    "The answer is 84.", "capital of Australia Canberra search query", "error: unknown tool", "tool response",
+    "def f(x):\n    return x + 1\n", "print(sum(range(10)))", "You are a helpful assistant.",
+] * 20
+
+
+def build_test_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_TRAIN, trainer)
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = TEST_TEMPLATE
+    return fast
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def get_tokenizer(kind: str):
+    if kind not in _TOKENIZERS:
+        if kind == "test":
+            _TOKENIZERS[kind] = build_test_tokenizer()
+        else:
+            from agentloop.models.modelzoo import (
+                TinyModelSpec,
+                load_tokenizer,
+                model_dir_for,
+            )
+
+            d = model_dir_for(TinyModelSpec())
+            if not (d / "tokenizer.json").is_file():
+                pytest.skip(f"tiny model not built at {d} (run agentloop.models.modelzoo.ensure_tiny_model())")
+            _TOKENIZERS[kind] = load_tokenizer(d)
+    return _TOKENIZERS[kind]
+
+
+@pytest.fixture(params=["test", "modelzoo"])
+def tok(request):
+    return get_tokenizer(request.param)
+
+
+# ---------------------------------------------------------------- scripted server
+
+
+class ScriptedServer:
+    """ServerManager stand-in: each generate() returns the next scripted turn as token ids.
+
+    A turn is (text, finish): finish "stop" appends the EOS id (as SGLang returns it with
+    no_stop_trim), "stop_noeos" stops without it (a stop string), "length" and "abort" as named.
+    Text longer than max_new_tokens is cut there with finish "length".
+    """
+
+    def __init__(self, tokenizer, turns: list[tuple[str, str]], *, fail_at: int | None = None):
+        self.tok = tokenizer
+        self.turns = list(turns)
+        self.calls: list[dict[str, Any]] = []
+        self.fail_at = fail_at
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(self, episode_id: str, *, prompt_ids: list[int], sampling_params: SamplingParams) -> TokenOutput:
+        self.calls.append({"prompt_ids": list(prompt_ids), "max_new_tokens": sampling_params.max_new_tokens,
+                           "seed": sampling_params.seed})
+        if self.fail_at is not None and len(self.calls) - 1 == self.fail_at:
+            raise RuntimeError("server exploded")
+        text, finish = self.turns.pop(0) if self.turns else ("done", "stop")
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        if finish == "stop":
+            ids.append(self.eos)
+        elif finish == "stop_noeos":
+            finish = "stop"
+        if len(ids) > sampling_params.max_new_tokens:
+            ids, finish = ids[:sampling_params.max_new_tokens], "length"
+        return TokenOutput(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason=finish)
+
+
+class _Cfg(Config):
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+
+
+def make_loop(tokenizer, server, *, context_length: int = 4096, tools: dict | None = None, **tools_cfg):
+    cfg = _Cfg(tools=ToolsConfig(**tools_cfg))
+    cfg.model.context_length = context_length
+    return ToolAgentLoop(server_manager=server, tokenizer=tokenizer, config=cfg, tools=tools)
+
+
+def sample(content: str = "What is 12 * 7?", **kw) -> Sample:
+    return Sample(index=0, data_source="test", messages=[{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": content}], **kw)
+
+
+def run(loop, s: Sample | None = None, max_new_tokens: int = 256):
+    return asyncio.run(loop.run(s or sample(), SamplingParams(max_new_tokens=max_new_tokens, seed=7)))
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def assert_token_exact(out, tok, server: ScriptedServer, loop: ToolAgentLoop) -> None:
+    """decode(prompt + response) is the template rendering of the final messages; masks and logprobs exact."""
+    all_ids = out.prompt_ids + out.response_ids
+    full = tok.decode(all_ids, skip_special_tokens=False)
+    schemas = [t.schema for t in loop._episode_tools(sample())[0].values()] or None
+    rendered = tok.apply_chat_template(out.extra["messages"], tools=schemas, tokenize=False,
+                                       add_generation_prompt=False)
+    last = out.extra["messages"][-1]
+    if last["role"] == "assistant":
+        # the model's own EOS ends the stream; the template's trailing "\n" (or whole suffix) is not generated yet
+        ended_with_eos = out.response_ids[-1] == server.eos and out.response_mask[-1] == 1
+        assert rendered == full + ("\n" if ended_with_eos else "<|im_end|>\n")
+    else:
+        assert rendered + "<|im_start|>assistant\n" == full
+    assert "<|im_end|>\n\n<|im_start|>" not in full and "<|im_end|><|im_end|>" not in full
+    # the model tokens are exactly the server's ids, in order, each after the prompt it was given
+    pos = 0
+    for c in server.calls:
+        p = len(c["prompt_ids"]) - len(out.prompt_ids)
+        assert all_ids[:len(c["prompt_ids"])] == c["prompt_ids"]
+        assert pos <= p
+        pos = p
+    model_ids = [t for t, m in zip(out.response_ids, out.response_mask) if m == 1]
+    assert len(model_ids) == out.num_model_tokens
+    for t, m, lp in zip(out.response_ids, out.response_mask, out.response_logprobs):
+        assert lp == (-0.1 if m == 1 else 0.0)
+    # tool and template tokens tokenize canonically: re-encoding the whole text gives the same ids
+    assert list(tok.encode(full, add_special_tokens=False)) == all_ids
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_registered():
+    import agentloop.loops.tool_agent  # noqa: F401
+
+    assert get_agent_loop("tool_agent_loop") is ToolAgentLoop
+
+
+def test_one_call_then_answer(tok):
+    server = ScriptedServer(tok, [("Let me compute. " + call("calculator", '{"expression": "12*7"}'), "stop"),
+                                  ("The answer is 84.", "stop")])
+    loop = make_loop(tok, server, names=["calculator"])
+    out = run(loop)
+    assert out.finish_reason == "stop"
+    assert out.num_turns == 2 and out.metrics["turns"] == 2
+    assert out.metrics["tool_calls"] == 1 and out.metrics["tool_errors"] == 0
+    tool_msgs = [m for m in out.extra["messages"] if m["role"] == "tool"]
+    assert tool_msgs == [{"role": "tool", "name": "calculator", "content": "84"}]
+    assert_token_exact(out, tok, server, loop)
+    # each turn's budget is what is left; turn seeds differ
+    assert server.calls[0]["seed"] == 7 and server.calls[1]["seed"] != 7
+
+
+def test_many_calls_and_errors_in_one_turn(tok):
+    text = (call("calculator", '{"expression": "2+3"}') + call("search", '{"query": "capital of Australia"}')
+            + call("nosuch", "{}") + call("calculator", '{"expr": "1"}') + "<tool_call>{not json</tool_call>")
+    server = ScriptedServer(tok, [(text, "stop"), ("Canberra, 5.", "stop")])
+    loop = make_loop(tok, server, names=["calculator", "search"], max_tool_calls_per_turn=8)
+    out = run(loop)
+    m = out.metrics
+    assert out.finish_reason == "stop"
+    assert m["tool_calls"] == 4 and m["parse_errors"] == 1
+    assert m["tool_errors"] == 2 and m["unknown_tools"] == 1 and m["invalid_arguments"] == 1
+    contents = [x["content"] for x in out.extra["messages"] if x["role"] == "tool"]
+    assert contents[0] == "5" and "Canberra" in contents[1]
+    assert "unknown tool 'nosuch'" in contents[2]
+    assert "missing required property 'expression'" in contents[3] and "unexpected property 'expr'" in contents[3]
+    assert "could not parse tool call" in contents[4]
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_length_stop_with_complete_call_keeps_glue(tok):
+    # the turn is cut by its token cap right after </tool_call>: no <|im_end|>, the glue adds it
+    text = call("calculator", '{"expression": "6*7"}')
+    n = len(tok.encode(text, add_special_tokens=False))
+    server = ScriptedServer(tok, [(text + " and more text", "stop"), ("42", "stop")])
+    loop = make_loop(tok, server, names=["calculator"], max_tokens_per_turn=n)
+    out = run(loop)
+    assert server.calls[0]["max_new_tokens"] == n
+    assert out.finish_reason == "stop" and out.metrics["tool_calls"] == 1
+    first_turn = out.response_ids[:n]
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in first_turn
+    assert out.response_mask[n] == 0  # glue starts right after the model's last token
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_stop_string_without_eos(tok):
+    server = ScriptedServer(tok, [(call("calculator", '{"expression": "1+1"}'), "stop_noeos"), ("2", "stop")])
+    loop = make_loop(tok, server, names=["calculator"])
+    out = run(loop)
+    assert out.finish_reason == "stop"
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_length_without_call_ends(tok):
+    server = ScriptedServer(tok, [("blah " * 50, "stop")])
+    loop = make_loop(tok, server, names=["calculator"])
+    out = run(loop, max_new_tokens=8)
+    assert out.finish_reason == "length" and out.num_turns == 1
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_max_turns(tok):
+    turns = [(call("calculator", '{"expression": "1+1"}'), "stop")] * 5
+    server = ScriptedServer(tok, turns)
+    loop = make_loop(tok, server, names=["calculator"], max_turns=3)
+    out = run(loop)
+    assert out.finish_reason == "max_turns" and out.num_turns == 3 and out.metrics["tool_calls"] == 2
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_token_budget(tok):
+    turns = [(call("calculator", '{"expression": "1+1"}'), "stop")] * 20
+    server = ScriptedServer(tok, turns)
+    loop = make_loop(tok, server, names=["calculator"], max_turns=20, max_response_tokens=120)
+    out = run(loop)
+    assert out.finish_reason == "token_budget"
+    assert len(out.response_ids) <= 120
+    for c in server.calls:  # each turn asked for at most what was left
+        assert c["max_new_tokens"] <= 120 - (len(c["prompt_ids"]) - len(out.prompt_ids))
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_context_limit(tok):
+    turns = [(call("calculator", '{"expression": "1+1"}'), "stop")] * 20
+    server = ScriptedServer(tok, turns)
+    probe = make_loop(tok, ScriptedServer(tok, []), names=["calculator"])
+    prompt_len = len(probe.apply_chat_template(sample().messages, tools=[probe._episode_tools(sample())[0]["calculator"].schema]))
+    loop = make_loop(tok, server, names=["calculator"], max_turns=20, context_length=prompt_len + 100)
+    out = run(loop)
+    assert out.finish_reason == "context"
+    assert len(out.prompt_ids) + len(out.response_ids) <= prompt_len + 100
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_abort(tok):
+    server = ScriptedServer(tok, [("partial", "abort")])
+    out = run(make_loop(tok, server, names=["calculator"]))
+    assert out.finish_reason == "abort"
+
+
+class SlowTool(BaseTool):
+    name = "slow"
+    description = "Sleeps."
+    parameters = {"type": "object", "properties": {"s": {"type": "number"}}, "required": ["s"]}
+    log: list[str] = []
+
+    async def create(self, episode, **kwargs):
+        SlowTool.log.append("create")
+        return {}
+
+    async def execute(self, instance, arguments):
+        await asyncio.sleep(arguments["s"])
+        return ToolResponse(text="slept")
+
+    async def release(self, instance):
+        SlowTool.log.append("release")
+
+
+class BoomTool(BaseTool):
+    name = "boom"
+    description = "Fails."
+
+    async def execute(self, instance, arguments):
+        raise ValueError("kaboom")
+
+
+class BigTool(BaseTool):
+    name = "big"
+    description = "Talks a lot."
+
+    async def execute(self, instance, arguments):
+        return ToolResponse(text="word " * 2000)
+
+
+class ScoredTool(BaseTool):
+    """Keeps the kwargs the row gave it and rewards the episode by its target."""
+
+    name = "scored"
+    description = "Guess a number."
+    parameters = {"type": "object", "properties": {"guess": {"type": "integer"}}, "required": ["guess"],
+                  "additionalProperties": False}
+
+    async def create(self, episode, **kwargs):
+        return {"target": kwargs["target"], "hit": False}
+
+    async def execute(self, instance, arguments):
+        instance["hit"] = instance["hit"] or arguments["guess"] == instance["target"]
+        return ToolResponse(text="yes" if arguments["guess"] == instance["target"] else "no", metrics={"guesses": 1})
+
+    async def reward(self, instance):
+        return 1.0 if instance["hit"] else 0.0
+
+
+for _cls in (SlowTool, BoomTool, BigTool, ScoredTool):
+    register_tool(_cls.name, _cls)
+
+
+def test_timeout_exception_and_parallelism(tok):
+    SlowTool.log.clear()
+    text = call("slow", '{"s": 0.3}') * 3 + call("slow", '{"s": 5}') + call("boom", "{}")
+    server = ScriptedServer(tok, [(text, "stop"), ("ok", "stop")])
+    loop = make_loop(tok, server, names=["slow", "boom"], tool_timeout_s=0.6, max_parallel_calls=5,
+                     max_tool_calls_per_turn=5)
+    t0 = time.monotonic()
+    out = run(loop)
+    took = time.monotonic() - t0
+    assert took < 1.5  # the three 0.3 s calls and the timed-out one overlapped
+    m = out.metrics
+    assert m["tool_timeouts"] == 1 and m["tool_errors"] == 2 and m["tool_calls"] == 5
+    contents = [x["content"] for x in out.extra["messages"] if x["role"] == "tool"]
+    assert contents[:3] == ["slept"] * 3
+    assert contents[3] == "error: slow timed out after 0.6s"
+    assert contents[4] == "error: ValueError: kaboom"
+    assert SlowTool.log == ["create", "release"]
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_release_runs_when_server_fails(tok):
+    SlowTool.log.clear()
+    server = ScriptedServer(tok, [(call("slow", '{"s": 0}'), "stop")], fail_at=1)
+    loop = make_loop(tok, server, names=["slow"])
+    with pytest.raises(RuntimeError, match="server exploded"):
+        run(loop)
+    assert SlowTool.log == ["create", "release"]
+
+
+def test_too_many_calls_dropped(tok):
+    text = call("calculator", '{"expression": "1"}') * 4
+    server = ScriptedServer(tok, [(text, "stop"), ("done", "stop")])
+    out = run(make_loop(tok, server, names=["calculator"], max_tool_calls_per_turn=2))
+    assert out.metrics["tool_calls"] == 2 and out.metrics["dropped_calls"] == 2
+    contents = [x["content"] for x in out.extra["messages"] if x["role"] == "tool"]
+    assert "too many tool calls" in contents[2]
+
+
+def test_tool_output_truncated(tok):
+    server = ScriptedServer(tok, [(call("big", "{}"), "stop"), ("done", "stop")])
+    loop = make_loop(tok, server, names=["big"], max_tool_response_tokens=50)
+    out = run(loop)
+    content = [x["content"] for x in out.extra["messages"] if x["role"] == "tool"][0]
+    assert "[truncated:" in content and out.metrics["truncated_tool_responses"] == 1
+    assert len(tok.encode(content, add_special_tokens=False)) < 80
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_row_tools_kwargs_reward_and_penalty(tok):
+    turns = [(call("scored", '{"guess": 3}'), "stop"), (call("scored", '{"guess": 5}'), "stop"), ("got it", "stop")]
+    server = ScriptedServer(tok, turns)
+    loop = make_loop(tok, server, free_calls=1, excess_call_penalty=0.1)
+    s = sample(tools_kwargs={"scored": {"create_kwargs": {"target": 5}}})
+    out = asyncio.run(loop.run(s, SamplingParams(max_new_tokens=64)))
+    assert out.finish_reason == "stop"
+    assert out.extra["tool_rewards"] == {"scored": 1.0}
+    assert out.extra["tool_penalty"] == pytest.approx(0.1)
+    assert out.metrics["tool/scored/guesses"] == 2 and out.metrics["tool_reward/scored"] == 1.0
+
+
+def test_unknown_row_tool_is_config_error(tok):
+    loop = make_loop(tok, ScriptedServer(tok, []))
+    with pytest.raises(ConfigError, match="unknown tool"):
+        asyncio.run(loop.run(sample(tools_kwargs={"nope": {}}), SamplingParams()))
+
+
+def test_template_not_append_only_is_config_error():
+    # a template that prints the number of messages in its header changes earlier text as messages are added
+    bad = ("{{- 'count=' + (messages | length | string) + '\\n' -}}"
+           "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endfor -%}"
+           "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    from jinja2 import Template
+
+    def render(messages, tools, gen):
+        return Template(bad).render(messages=messages, tools=tools, add_generation_prompt=gen)
+
+    with pytest.raises(ConfigError, match="not append-only"):
+        template_info(render)
+
+
+def test_template_info_measures_suffix(tok):
+    loop = make_loop(tok, ScriptedServer(tok, []))
+    assert loop._template_info().turn_suffix == "<|im_end|>\n"

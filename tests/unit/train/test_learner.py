@@ -1,0 +1,508 @@
+"""The learner on a throwaway tiny Qwen2 model (CPU, gloo): train steps, micro-batch equivalence,
+save_hf, checkpoints, the mailbox protocol, kill + resume of a learner process, and 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentloop.errors import ConfigError
+from agentloop.records import EpisodeRecord
+from agentloop.train.checkpoint import latest_checkpoint, list_checkpoints
+from agentloop.train.config import AlgoConfig, LearnerConfig
+from agentloop.train.learner import Learner, load_sections, lr_at
+from agentloop.train.learner_process import learner_command
+from agentloop.train.mailbox import (
+    LearnerDiedError,
+    LearnerFailedError,
+    LearnerMailbox,
+    MailboxClient,
+    MailboxError,
+    MailboxTimeout,
+)
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-model")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    (d / "tokenizer_config.json").write_text("{}")  # stands in for tokenizer files: must be copied
+    return d
+
+
+def make_records(step: int, *, groups: int = 2, n: int = 4, seed: int = 0) -> list[EpisodeRecord]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    recs = []
+    for idx in range(groups):
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        for rep in range(n):
+            r = int(torch.randint(3, 9, (1,), generator=g))
+            resp = torch.randint(0, VOCAB, (r,), generator=g).tolist()
+            mask = [1] * r
+            if r > 4:  # a tool segment in the middle
+                mask[2] = mask[3] = 0
+            recs.append(EpisodeRecord(
+                prompt_ids=prompt, response_ids=resp, response_mask=mask,
+                response_logprobs=[-3.0 - 0.1 * k if m else 0.0 for k, m in enumerate(mask)],
+                reward=float((rep + idx) % 2), episode_id=f"{idx}-{rep}", index=idx, repeat=rep,
+                data_source="t", loop="single_turn", seed=rep, step=step))
+    recs.append(recs[0].model_copy(update={"error": "RuntimeError: boom", "reward": 0.0, "repeat": 99}))
+    return recs
+
+
+def with_logprobs(records, lps):
+    return [r.model_copy(update={"response_logprobs": [lp if m else 0.0 for lp, m in zip(lp_row, r.response_mask)]})
+            for r, lp_row in zip(records, lps)]
+
+
+def load_weights(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))
+
+
+def assert_weights_close(a: Path, b: Path, atol=1e-6):
+    wa, wb = load_weights(a), load_weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+def one_step(model_dir: Path, algo: AlgoConfig, cfg: LearnerConfig, records, out: Path, *, logprobs: bool = False):
+    """A fresh Learner: (compute_logprobs(records) if asked, else None), train_step(records, 1)'s
+    metrics, and the HF weights it saved to `out`."""
+    learner = Learner(model_dir, algo, cfg)
+    try:
+        lps = learner.compute_logprobs(records) if logprobs else None
+        return lps, learner.train_step(records, 1), learner.save_hf(out)
+    finally:
+        learner.close()
+
+
+# ---- schedule / config --------------------------------------------------------------------
+
+def test_lr_schedule():
+    c = LearnerConfig(lr=1.0, warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    assert [lr_at(s, c) for s in (1, 2)] == [0.5, 1.0]
+    assert lr_at(4, c) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(6, c) == pytest.approx(0.1)
+    assert lr_at(9, c) == pytest.approx(0.1)
+    assert lr_at(5, LearnerConfig(lr=2.0)) == 2.0
+
+
+def test_load_sections(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model: {path: x}\nalgo: {kl_coef: 0.1}\nlearner: {lr: 0.5}\n")
+    algo, cfg = load_sections(f, ["algo.loss_agg_mode=seq-mean-token-sum", "learner.grad_clip=null"])
+    assert (algo.kl_coef, algo.loss_agg_mode, cfg.lr, cfg.grad_clip) == (0.1, "seq-mean-token-sum", 0.5, None)
+    # YAML reads a bare off/on as a boolean
+    assert load_sections(None, ["learner.share_prompt=off"])[1].share_prompt == "off"
+    assert load_sections(None, ["learner.share_prompt=on"])[1].share_prompt == "on"
+    with pytest.raises(ConfigError, match="share_prompt"):
+        load_sections(None, ["learner.share_prompt=sometimes"])
+    with pytest.raises(ConfigError, match="clip_ratio_lo"):
+        load_sections(None, ["algo.clip_ratio_lo=0.1"])
+    with pytest.raises(ConfigError, match="expected algo.KEY=VALUE"):
+        load_sections(None, ["model.path=x"])
+
+
+# ---- in-process learner -------------------------------------------------------------------
+
+def _hf_logprobs(model_dir: Path, rec: EpisodeRecord) -> list[float]:
+    """Independent reference: plain transformers forward on the unpadded sequence."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([rec.prompt_ids + rec.response_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(m(input_ids=ids).logits.float(), -1)[0]
+    p = len(rec.prompt_ids)
+    pairs = enumerate(zip(rec.response_ids, rec.response_mask))
+    return [float(logp[p + k - 1, t]) if mk else 0.0 for k, (t, mk) in pairs]
+
+
+def test_train_step_changes_weights_lowers_loss_and_saves_hf(tiny_model, tmp_path):
+    cfg = LearnerConfig(device="cpu", lr=2e-3, micro_batch_tokens=40)
+    learner = Learner(tiny_model, AlgoConfig(old_logprobs="rollout"), cfg)
+    try:
+        recs = make_records(1)
+        # padded, micro-batched logprobs equal a plain unpadded HF forward
+        lps = learner.compute_logprobs(recs)
+        assert lps[3] == pytest.approx(_hf_logprobs(tiny_model, recs[3]), abs=1e-5)
+        recs = with_logprobs(recs, lps)  # on-policy rollout logprobs: the first ratio is exactly 1
+        m1 = learner.train_step(recs, 1)
+        assert m1["batch/failed"] == 1.0 and m1["batch/episodes"] == 8.0
+        assert m1["mismatch/logprob_abs_diff_max"] < 1e-5
+        assert m1["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert m1["actor/micro_batches"] >= 2
+        assert m1["actor/grad_norm"] > 0 and m1["actor/optimizer_steps"] == 1.0
+        m2 = learner.train_step(recs, 2)
+        m3 = learner.train_step(recs, 3)
+        # the surrogate against fixed rollout logprobs goes down on a repeated batch
+        assert m3["actor/loss"] < m2["actor/loss"] < m1["actor/loss"]
+        out = learner.save_hf(tmp_path / "w")
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
+                                                         "model.safetensors", "tokenizer_config.json"]
+        assert "lm_head.weight" not in load_weights(out)  # tied: saved once, as HF does
+        before, after = load_weights(tiny_model), load_weights(out)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        assert learner.compute_logprobs(recs[:1])[0] == pytest.approx(_hf_logprobs(out, recs[0]), abs=1e-5)
+        assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    finally:
+        learner.close()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_micro_batching_matches_full_batch_update(tiny_model, tmp_path, mode):
+    """Same step with one big micro-batch vs many small ones: same loss, grad norm and weights.
+
+    adam_eps = 1 makes Adam's first update ~ lr * g / (|g| + 1), about linear in the gradient, so
+    equal weights mean equal gradients (with eps = 1e-8 the update is ~ lr * sign(g), which would
+    hide a wrong scale and amplifies rounding on near-zero gradients).
+    """
+    algo = AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01)
+    recs = make_records(1, seed=3)
+    (_, big, w_big), (_, small, w_small) = [
+        one_step(tiny_model, algo, LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None,
+                                                 micro_batch_tokens=budget), recs, tmp_path / f"w-{budget}")
+        for budget in (10_000, 12)]
+    assert big["actor/micro_batches"] == 1 and small["actor/micro_batches"] > 4
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy"):
+        assert small[k] == pytest.approx(big[k], rel=1e-5, abs=1e-7), k
+    assert_weights_close(w_big, w_small, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prompt_rows_give_the_same_logprobs_and_update(tiny_model, tmp_path, mode):
+    """learner.share_prompt=on (a GRPO group's prompt once per row, a 4-D mask) vs off (a row per
+    episode): same logprobs, loss, KL, entropy and weights, with fewer tokens computed. Two mini-batches,
+    so the old-logprob pass and the reference pass run on shared rows too."""
+    algo = AlgoConfig(loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01)
+    recs = make_records(1, seed=7, groups=3, n=4)
+    (lp_off, off, w_off), (lp_on, on, w_on) = [
+        one_step(tiny_model, algo, LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None,
+                                                 micro_batch_tokens=40, mini_batches=2, share_prompt=share),
+                 recs, tmp_path / f"w-{share}", logprobs=True)
+        for share in ("off", "on")]
+    for a, b in zip(lp_off, lp_on):
+        assert b == pytest.approx(a, abs=1e-5)
+    assert on["batch/shared_rows"] > 0 and off["batch/shared_rows"] == 0
+    assert on["batch/computed_tokens"] < off["batch/computed_tokens"]
+    assert off["batch/prompt_share_saving"] == 0 < on["batch/prompt_share_saving"]
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy", "actor/clip_frac"):
+        assert on[k] == pytest.approx(off[k], rel=1e-4, abs=1e-6), k
+    assert_weights_close(w_off, w_on, atol=1e-5)
+
+
+def test_on_policy_step_skips_the_old_logprob_pass_with_the_same_update(tiny_model, tmp_path, monkeypatch):
+    """One epoch of one mini-batch: the loss pass's own logprobs stand in for the recomputed ones.
+
+    Also the regression test of an FSDP2 bug: root parameters gathered by the no-grad recompute pass
+    served the loss pass, and the forced path's gradient norm was 14-57% off (now resharded).
+    """
+    import agentloop.train.learner as learner_mod
+
+    algo = AlgoConfig(old_logprobs="recompute")
+    recs = make_records(1, seed=5)
+    cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None)
+    assert not learner_mod.old_logprob_pass(algo, cfg)
+    assert learner_mod.old_logprob_pass(algo, cfg.model_copy(update={"mini_batches": 2}))
+    _, fast, w_fast = one_step(tiny_model, algo, cfg, recs, tmp_path / "w-fast")
+    # the general path: a separate no-grad forward for the old logprobs
+    monkeypatch.setattr(learner_mod, "old_logprob_pass", lambda a, c: True)
+    _, full, w_full = one_step(tiny_model, algo, cfg, recs, tmp_path / "w-full")
+    for k in ("actor/loss", "actor/grad_norm", "actor/clip_frac"):
+        if k in full:
+            assert fast[k] == pytest.approx(full[k], rel=1e-5, abs=1e-7), k
+    assert_weights_close(w_fast, w_full, atol=1e-6)
+
+
+def test_progress_line_and_curves_name_metrics_the_learner_emits(tiny_model, tmp_path):
+    from agentloop.report.progress import fmt_fields
+    from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
+    from agentloop.train.orchestrator import _PROGRESS_LABELS
+
+    def _fmt(row, keys):
+        return " | ".join(fmt_fields(row, _PROGRESS_LABELS, keys))
+
+    learner = Learner(tiny_model, AlgoConfig(kl_coef=0.1), LearnerConfig(device="cpu", lr=1e-3))
+    try:
+        m = learner.train_step(make_records(1, seed=2), 1)
+    finally:
+        learner.close()
+    row = {"step": 1.0, "train/reward": 0.5, **{f"learner/{k}": v for k, v in m.items()}}
+    assert KL_KEY in row and ENTROPY_KEY in row
+    assert "kl " in _fmt(row, [KL_KEY]) and "entropy " in _fmt(row, [ENTROPY_KEY])
+    log = StepLog.__new__(StepLog)  # only the chart code: no TensorBoard, no files but the page
+    log.rows, log.run_dir = [row, {**row, "step": 2.0}], tmp_path
+    page = log.curves().read_text()
+    assert "KL to the reference / entropy" in page and "<polyline" in page.split("KL to the reference")[1]
+
+
+def test_checkpoint_roundtrip_is_exact(tiny_model, tmp_path):
+    cfg = LearnerConfig(device="cpu", lr=1e-2, keep_checkpoints=2, mini_batches=2, ppo_epochs=2)
+    learner = Learner(tiny_model, AlgoConfig(), cfg)
+    try:
+        learner.train_step(make_records(1), 1)
+        ck = learner.save_checkpoint(tmp_path / "ck", data_position={"row": 7})
+        m2 = learner.train_step(make_records(2), 2)
+        assert "actor/loss_epoch1" in m2 and m2["actor/optimizer_steps"] == 4.0
+        w2 = learner.save_hf(tmp_path / "w2a")
+        meta = learner.load_checkpoint(ck)
+        assert (meta.step, meta.data_position, learner.step) == (1, {"row": 7}, 1)
+        learner.train_step(make_records(2), 2)  # needs the restored Adam moments to match
+        assert_weights_close(w2, learner.save_hf(tmp_path / "w2b"), atol=0)
+        for s in (2, 3):
+            learner.step = s
+            learner.save_checkpoint(tmp_path / "ck")
+        assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step-000002", "step-000003"]
+    finally:
+        learner.close()
+
+
+def test_latest_checkpoint_ignores_incomplete(tmp_path):
+    root = tmp_path / "ck"
+    assert latest_checkpoint(root) is None
+    (root / "step-000002").mkdir(parents=True)
+    (root / "step-000002" / "meta.json").write_text(json.dumps({"step": 2}))
+    (root / "step-000004.tmp").mkdir()  # killed mid-save
+    (root / "step-000004.tmp" / "meta.json").write_text(json.dumps({"step": 4}))
+    (root / "step-000003").mkdir()  # no meta.json: not complete
+    assert latest_checkpoint(root).name == "step-000002"
+
+
+# ---- mailbox protocol (no model) ----------------------------------------------------------
+
+def test_mailbox_protocol_and_errors(tmp_path):
+    client = MailboxClient(tmp_path, heartbeat_timeout_s=0.5, poll_s=0.02)
+    box = LearnerMailbox(tmp_path, heartbeat_s=60)
+    recs = make_records(1)
+    client.submit(1, recs, data_position=5)
+    client.submit(1, recs[:1])  # already ready: no-op
+    assert box.batch_ready(1) and not box.batch_ready(2)
+    got, meta = box.read_batch(1)
+    assert len(got) == len(recs) and meta["data_position"] == 5
+    with pytest.raises(MailboxTimeout):
+        client.wait_ready(0.1)
+    box.start_heartbeat()
+    box.update_info(status="ready", next_step=1)
+    assert client.wait_ready(1.0)["next_step"] == 1
+    box.write_done(1, tmp_path / "weights" / "step-000001", {"actor/loss": 0.5})
+    res = client.wait_update(1, 1.0)
+    assert res.metrics == {"actor/loss": 0.5} and res.weights_dir.name == "step-000001"
+    try:
+        raise ValueError("bad batch")
+    except ValueError as e:
+        box.write_failed(2, e)
+    with pytest.raises(LearnerFailedError, match="ValueError: bad batch") as ei:
+        client.wait_update(2, 1.0)
+    assert "Traceback" in ei.value.traceback
+    with pytest.raises(MailboxTimeout):
+        client.wait_update(3, 0.1)
+    box._stop.set()
+    box._thread.join()
+    time.sleep(0.6)  # heartbeat goes stale
+    with pytest.raises(LearnerDiedError, match="heartbeat"):
+        client.wait_update(3, 5.0)
+    box.close()
+    client.stop()
+    assert box.stop_requested()
+    os.utime(box.paths.stop, (time.time() - 60, time.time() - 60))
+    assert not LearnerMailbox(tmp_path, started=time.time() - 30).stop_requested()  # stale STOP removed
+    # a process handle takes precedence over the heartbeat
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    with pytest.raises(LearnerDiedError, match="code 3"):
+        MailboxClient(tmp_path, process=proc).wait_update(3, 5.0)
+    # a torn batch is detected
+    (tmp_path / "mailbox" / "step-000001" / "batch.jsonl").write_text(recs[0].model_dump_json() + "\n")
+    with pytest.raises(MailboxError, match="batch.ready says"):
+        box.read_batch(1)
+
+
+# ---- learner processes --------------------------------------------------------------------
+
+def _env():
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _launch(run_dir: Path, model: Path, overrides: list[str], *, nproc: int = 1, log: str = "learner.log"):
+    cmd = learner_command(run_dir, model, nproc=nproc, overrides=overrides)
+    fh = open(run_dir / log, "ab")
+    try:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    finally:
+        fh.close()
+
+
+def _finish(proc, client, run_dir, log="learner.log"):
+    client.stop()
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    assert rc == 0, (run_dir / log).read_text()[-3000:]
+
+
+def _reference_run(model: Path, algo: AlgoConfig, cfg: LearnerConfig, batches, out: Path, save_at):
+    learner = Learner(model, algo, cfg)
+    try:
+        saved = {}
+        for step, recs in enumerate(batches, 1):
+            learner.train_step(recs, step)
+            if step in save_at:
+                saved[step] = learner.save_hf(out / f"ref-{step}")
+        return saved
+    finally:
+        learner.close()
+
+
+def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_path):
+    """SIGKILL after step 3 (checkpoint at 2), restart: steps 3 and 4 are trained once more from the
+    checkpoint, and every saved step equals an uninterrupted run. adam_eps = 1 keeps gradients that
+    are zero up to rounding (e.g. k_proj biases) from turning thread-count noise into lr-sized steps."""
+    run = tmp_path / "run"
+    run.mkdir()
+    overrides = ["learner.device=cpu", "learner.checkpoint_every=2", "learner.lr=0.1", "learner.adam_eps=1.0",
+                 "learner.poll_s=0.05", "learner.keep_weights=null", "learner.micro_batch_tokens=48", "learner.seed=5"]
+    batches = [make_records(s, seed=11) for s in range(1, 5)]
+    t0 = time.time()
+    proc = _launch(run, tiny_model, overrides)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        assert client.wait_ready(120)["next_step"] == 1
+        for s in (1, 2, 3):
+            client.submit(s, batches[s - 1], data_position={"row": 10 * s})
+            client.wait_update(s, 120)
+    finally:
+        proc.kill()  # SIGKILL after step 3: its update is not in any checkpoint
+        proc.wait()
+    assert latest_checkpoint(run / "checkpoints").name == "step-000002"
+
+    t1 = time.time()
+    proc = _launch(run, tiny_model, overrides)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        info = client.wait_ready(120, since=t1)
+        assert (info["next_step"], info["resumed_step"], info["data_position"]) == (3, 2, {"row": 20})
+        assert not (run / "weights" / "step-000003").exists()
+        assert not (run / "mailbox" / "step-000003" / "update.done").exists()
+        client.submit(3, batches[2])  # already in the mailbox: reused
+        client.submit(4, batches[3], data_position={"row": 40})
+        assert client.wait_update(4, 120).weights_dir == run / "weights" / "step-000004"
+        # a step that raises: update.failed with the traceback, then the learner exits 1
+        bad = [r.model_copy(update={"prompt_ids": [VOCAB + 1000]}) for r in batches[0]]
+        client.submit(5, bad)
+        with pytest.raises(LearnerFailedError, match="IndexError") as ei:
+            client.wait_update(5, 120)
+        assert "train_step" in ei.value.traceback
+        assert proc.wait(timeout=60) == 1
+        assert client.learner_info()["status"] == "failed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert latest_checkpoint(run / "checkpoints").name == "step-000004"
+    # an uninterrupted in-process run over the same batches gives the same weights at every step
+    algo, cfg = load_sections(None, overrides)
+    ref = _reference_run(tiny_model, algo, cfg, batches, tmp_path, save_at={2, 3, 4})
+    for s in (2, 3, 4):
+        assert_weights_close(ref[s], run / "weights" / f"step-{s:06d}", atol=1e-6)
+    print(f"kill+resume: first learner {t1 - t0:.1f}s, total {time.time() - t0:.1f}s")
+
+
+def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
+    run = tmp_path / "run"
+    run.mkdir()
+    overrides = device_overrides + [
+        "learner.lr=0.1", "learner.adam_eps=1.0", "learner.poll_s=0.05", "learner.micro_batch_tokens=30",
+        "learner.mini_batches=2", "algo.kl_coef=0.05", "learner.grad_clip=0.5"]
+    batch = make_records(1, seed=21, groups=3)
+    proc = _launch(run, tiny_model, overrides, nproc=2)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        info = client.wait_ready(180)
+        assert info["world_size"] == 2
+        client.submit(1, batch)
+        res = client.wait_update(1, 120)
+        _finish(proc, client, run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    algo, cfg = load_sections(None, overrides)
+    _, m, ref = one_step(tiny_model, algo, cfg, batch, tmp_path / "ref")
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes"):
+        assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+    assert_weights_close(ref, res.weights_dir, atol=atol)
+    assert math.isfinite(res.metrics["actor/entropy"])
+
+
+def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
+    """torchrun, 2 CPU ranks (gloo): sharded data, padded micro-batch counts, FSDP gradient
+    averaging undone by the world-size factor; the result equals one rank on the whole batch."""
+    _two_ranks_vs_one(tiny_model, tmp_path, ["learner.device=cpu"], atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_nccl_matches_one_rank(tiny_model, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    _two_ranks_vs_one(tiny_model, tmp_path, ["learner.dtype=float32"], atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_step(tiny_model, tmp_path):
+    """On CUDA: nccl, bf16 compute with float32 master weights, bf16 HF export."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    algo = AlgoConfig(kl_coef=0.01, entropy_coef=0.001)
+    learner = Learner(tiny_model, algo, LearnerConfig(lr=1e-3, micro_batch_tokens=40))
+    try:
+        assert learner.device.type == "cuda" and learner.compute_dtype == torch.bfloat16
+        recs = make_records(1)
+        recs = with_logprobs(recs, learner.compute_logprobs(recs))
+        m1 = learner.train_step(recs, 1)
+        assert m1["mismatch/logprob_abs_diff_max"] < 1e-6  # same bf16 forward both times
+        m2 = learner.train_step(recs, 2)
+        assert all(math.isfinite(v) for v in m2.values())
+        assert m2["actor/loss"] < m1["actor/loss"]
+        out = learner.save_hf(tmp_path / "w")
+        w = load_weights(out)
+        assert {t.dtype for t in w.values()} == {torch.bfloat16}
+        assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+        before = load_weights(tiny_model)
+        assert any(not torch.equal(before[k].to(torch.bfloat16), w[k]) for k in w)
+    finally:
+        learner.close()
+
+
+def test_public_api_and_light_config_import():
+    import agentloop.train as train
+
+    for name in train.__all__:
+        assert getattr(train, name) is not None, name
+    # the root config mounts AlgoConfig/LearnerConfig: importing them must not import torch
+    code = "import sys, agentloop.train.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
