@@ -194,10 +194,26 @@ class TrainConfig(Section):
     half the prompts at temperature 1. The SFT takes ~100 s on a GPU and hours on 2 CPU cores, so its
     GPU-built weights ship in the package and are installed into the cache (see agentloop.models.warmstart)."""
     sync: Literal["disk"] = "disk"
-    """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk."""
-    pause_mode: Literal["abort", "in_place", "retract"] = "retract"
-    """How servers treat in-flight requests while weights change: retract (requeued, recomputed with the
-    new weights), abort (returned as aborted), in_place (kept; SGLang then refuses to flush its cache)."""
+    """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk
+    (learner.weight_sync tensor|nccl lets the learner push them itself)."""
+    schedule: Literal["sync", "async"] = "async"
+    """async: rollouts never stop for the learner; a producer keeps groups in flight under the admission
+    rule, the learner trains as soon as `prompts_per_step` eligible groups are ready, and `max_staleness`
+    bounds how old a trained token's weights may be (0 reproduces the synchronous schedule exactly).
+    sync: the plain loop (roll out a step, train, push), kept as the reference the async one is tested against."""
+    max_staleness: int = Field(default=0, ge=0)
+    """η: a token trained at step s was sampled by weights at most η versions older than the weights step s
+    starts from (version s-1). 0: synchronous, on-policy. Groups that grow too stale are cancelled early
+    (counted) and their prompts given out again."""
+    interrupt: Literal["abort", "retract", "in_place"] = "abort"
+    """How in-flight generation meets a weight update (SGLang's pause modes). abort: requests return their
+    partial tokens and are continued (prompt + partial, remaining budget) under the new weights, every
+    token's version exact; retract: the server requeues them and re-prefills under the new weights on
+    resume (per-token versions from the server's spans where it reports them); in_place: requests keep
+    their KV from the old weights (fastest, most stale; the prefix cache is then isolated per version)."""
+    max_version_violations: float = Field(default=0.0, ge=0, le=1)
+    """Share of a step's trained records allowed to hold tokens of versions outside the schedule's
+    window [s-1-η, s-1]; past it the step fails (a server serving the wrong weights)."""
     learner_ready_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline for the learner process to load its model and report ready."""
     update_timeout_s: float = Field(default=3600.0, gt=0)

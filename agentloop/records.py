@@ -32,6 +32,13 @@ class Sample(BaseModel):
     """Row index in the data set (stable across runs)."""
     repeat: int = 0
     """Repeat index within the group of episodes of this row."""
+    uid: int | None = None
+    """Identity of this dispatch of the row: its data-cursor position in training (so the same row in
+    two epochs, or twice in one step, is two prompts), the row index in eval rollouts (None: `index`).
+    Seed, episode id and GRPO group key derive from it."""
+    attempt: int = 0
+    """Dispatch attempt of this uid: 0, or n when a group cancelled as too stale is dispatched again
+    (fresh seeds, same prompt)."""
     data_source: str
     """verl `data_source`: selects the reward function."""
     messages: list[dict[str, Any]]
@@ -46,9 +53,16 @@ class Sample(BaseModel):
     """verl `ability` (informational)."""
 
     @property
+    def group_uid(self) -> int:
+        """The GRPO group key: `uid`, or the row index when no uid was given."""
+        return self.index if self.uid is None else self.uid
+
+    @property
     def episode_id(self) -> str:
-        """`<index>-<repeat>`: unique within a run, the key for sticky routing."""
-        return f"{self.index}-{self.repeat}"
+        """`<uid>-<repeat>` (`<uid>.<attempt>-<repeat>` for a re-dispatch): unique within a run, the key
+        for sticky routing."""
+        a = f".{self.attempt}" if self.attempt else ""
+        return f"{self.group_uid}{a}-{self.repeat}"
 
     def with_repeat(self, repeat: int) -> "Sample":
         return self.model_copy(update={"repeat": repeat})
@@ -63,6 +77,11 @@ class TokenOutput(Record):
     """stop: EOS or stop string/token; length: max_new_tokens or context; abort: the server aborted it."""
     weight_version: str | None = None
     """The server's weight version when this call finished."""
+    token_versions: list[int | None] = Field(default_factory=list)
+    """Per sampled token: the weight version that sampled it (stamped when each request was submitted,
+    refined by the server's per-token spans when it reports them); None where unknown. Empty: unknown."""
+    interrupted: int = 0
+    """Times this call was interrupted by a weight update and continued (prompt + partial re-submitted)."""
     cached_tokens: int = 0
     """Prompt tokens served from the server's prefix cache."""
     prompt_tokens: int = 0
@@ -103,7 +122,10 @@ class AgentLoopOutput(Record):
     error: str | None = None
     """`Type: message` when the episode failed; the record is still kept and counted."""
     weight_versions: list[str | None] = Field(default_factory=list)
-    """Weight version that produced each turn (one entry per generate call)."""
+    """Weight version that produced each turn (one entry per generate call; the version at its end)."""
+    token_versions: list[int | None] = Field(default_factory=list)
+    """Per response token: the weight version that sampled it (None for mask-0 tokens and where the
+    server did not say). Empty when unknown (e.g. records of older runs)."""
     extra: dict[str, Any] = Field(default_factory=dict)
     """Anything else JSON-serializable a loop wants to keep (e.g. decoded text, tool trace)."""
 
@@ -121,7 +143,19 @@ class AgentLoopOutput(Record):
         for i, (m, lp) in enumerate(zip(self.response_mask, self.response_logprobs)):
             if m == 0 and lp != 0.0:
                 raise ValueError(f"response_logprobs[{i}] = {lp!r} for a mask-0 token; it must be 0.0")
+        if self.token_versions:
+            if len(self.token_versions) != n:
+                raise ValueError(f"token_versions ({len(self.token_versions)}) and response_ids ({n}) differ in length")
+            for i, (m, v) in enumerate(zip(self.response_mask, self.token_versions)):
+                if m == 0 and v is not None:
+                    raise ValueError(f"token_versions[{i}] = {v!r} for a mask-0 token; it must be None")
         return self
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the sampled tokens (None when unknown): what staleness judges."""
+        vs = [v for v in self.token_versions if v is not None]
+        return min(vs) if vs else None
 
     @property
     def num_model_tokens(self) -> int:
@@ -130,9 +164,12 @@ class AgentLoopOutput(Record):
 
 class EpisodeRecord(AgentLoopOutput):
     episode_id: str
-    """Unique id: `<index>-<repeat>` within a run."""
+    """Unique id within a run: `<uid>-<repeat>` (see Sample.episode_id)."""
     index: int
     """Index of the data row."""
+    uid: int | None = None
+    """The dispatched prompt's uid (data-cursor position in training): the GRPO group key. None in
+    records of older runs (the group key is then `index`)."""
     repeat: int
     """Repeat index of this episode within its group (0..n_samples-1)."""
     data_source: str

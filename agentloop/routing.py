@@ -1,8 +1,13 @@
 """Load balancing and server health as a plain synchronous state machine (no event loop).
 
-    ServerState   counters of one server: in-flight requests, health, failures
+    ServerState   counters of one server: in-flight requests, health, failures, the weight version it serves
     Router        least-outstanding-requests choice with sticky episodes, a per-server cap,
-                  spill-over, and eject/re-admit by consecutive failures
+                  spill-over, eject/re-admit by consecutive failures, and the version rule below
+
+Version rule: once `expected_version` is set (training), a server is admitted only while it serves
+that version. A server that comes back after an ejection is re-admitted only when its reported
+version is the expected one (`readmit(idx, version)`); otherwise it stays out, marked `stale`, until a
+weight push or a resync brings it to the expected version (`set_version`).
 
 The ServerManager owns one Router and calls it from a single event loop, so no locking:
 every method runs to completion between awaits. Invariant: each `acquire` that returns an
@@ -35,6 +40,10 @@ class ServerState:
     ejections: int = 0
     sticky_hits: int = 0
     spills: int = 0
+    version: int | None = None
+    """Weight version this server is known to serve (None: unknown)."""
+    stale: bool = False
+    """Answering, but serving another version than the expected one: kept out until synced."""
 
 
 @dataclass
@@ -44,6 +53,7 @@ class Router:
     eject_after: int = 2
     sticky: bool = True
     sticky_capacity: int = 200_000
+    expected_version: int | None = None
     servers: list[ServerState] = field(init=False)
     _sticky: "OrderedDict[str, int]" = field(init=False, default_factory=OrderedDict)
     _rr: int = field(init=False, default=0)
@@ -144,13 +154,40 @@ class Router:
             s.healthy = False
             s.ejections += 1
 
-    def readmit(self, idx: int) -> bool:
-        """Mark a server healthy after a good probe; True if it was ejected before."""
+    def readmit(self, idx: int, version: int | None = None) -> bool:
+        """A good probe: mark the server healthy, unless a version is expected and `version` is not it
+        (then it stays out, marked stale). True if this brought an ejected server back."""
         s = self.servers[idx]
+        s.consecutive_failures = 0
+        if version is not None:
+            s.version = version
+        if self.expected_version is not None and s.version != self.expected_version:
+            s.stale = True
+            if s.healthy:
+                s.healthy = False
+                s.ejections += 1
+            return False
+        s.stale = False
         was_down = not s.healthy
         s.healthy = True
-        s.consecutive_failures = 0
         return was_down
+
+    def set_version(self, idx: int, version: int) -> None:
+        """The server now serves `version` (a weight update on it succeeded)."""
+        self.servers[idx].version = version
+
+    def expect(self, version: int) -> list[int]:
+        """Every admitted server must now serve `version`: servers known to serve another one are
+        ejected as stale. Returns the indices ejected."""
+        self.expected_version = version
+        out = []
+        for i, s in enumerate(self.servers):
+            if s.healthy and s.version != version:
+                s.healthy = False
+                s.stale = True
+                s.ejections += 1
+                out.append(i)
+        return out
 
     @property
     def healthy_count(self) -> int:

@@ -1,28 +1,47 @@
 """ServerManager: the only way agentloop talks to SGLang servers (token ids in, token ids out).
 
 Map:
-    ServerManager.generate     route (Router) -> POST /generate -> TokenOutput, typed retries
-    _post_generate             one attempt; classifies failures as RetryableError / FatalRequestError
-    _health_loop               probes /health; ejects dead servers and re-admits recovered ones
-    pause/resume/abort_all/flush_cache/update_weights_from_disk
-                               admin calls broadcast to every server
+    ServerManager.generate     route (Router) -> POST /generate -> TokenOutput, typed retries, and
+                               continuation of calls interrupted by a weight update
+    _attempt                   one attempt; classifies failures as RetryableError / FatalRequestError
+    parse_generate_response    SGLang's JSON -> TokenOutput, per-token weight versions included
+    _health_loop               probes servers; ejects dead ones, re-admits recovered ones only once
+                               they serve the expected weights (probe that runs the scheduler, then
+                               /model_info's weight_version; a resync hook can reload the weights)
+    pause/resume/abort_all/flush_cache/update_weights_from_disk/mark_updated
+                               admin calls broadcast to the servers (updates also reach stale ones)
     gauges                     `server/...` numbers for progress lines and metrics
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
-malformed responses are never retried. A request that timed out is aborted on its server
-(best effort) so a hung request stops burning compute there. When no server is healthy for
-`all_down_grace_s`, generate raises AllServersDownError, which the engine treats as fatal.
+malformed responses are never retried. A request that timed out or whose caller was cancelled is
+aborted on its server (tracked tasks, drained on close) so it stops burning compute there. Request
+ids are uuids: SGLang aborts by rid prefix, so "7-1" would also abort "7-10". When no server is
+healthy for `all_down_grace_s`, generate raises AllServersDownError, which the engine treats as fatal.
+
+Weight versions (training). The manager knows the version each server serves (`Router`), and the
+version every admitted server must serve (`expect`). Each request is stamped with its server's
+version when it is submitted; where the server reports per-token spans (SGLang's
+`meta_info.weight_versions`) they refine the stamp token by token, and a call that ran entirely under
+one version (abort-mode interrupts guarantee it) takes the version the server reports.
+
+Interrupts. `pause("abort")` makes in-flight calls return their partial tokens (finish "abort"); a
+call interrupted that way waits for `resume` and continues itself: it re-submits prompt + partial
+with the remaining budget under the new weights, and the caller gets one TokenOutput whose tokens
+carry both versions. `retract` (the server re-prefills on resume) and `in_place` (old KV kept) need no
+client work. An abort not caused by an interrupt is returned as finish "abort".
+Simplification: a stop string that straddles the point of interruption is not detected.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import time
+import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -41,6 +60,9 @@ from agentloop.routing import Availability, Router
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
+ResyncHook = Callable[[str], Awaitable[None]]
+"""Loads the current weights into the server at this url (called before re-admitting a stale server)."""
+
 
 def _percentile(values: list[float], q: float) -> float:
     if not values:
@@ -50,8 +72,25 @@ def _percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def parse_generate_response(body: Any, server: str) -> TokenOutput:
-    """Turn SGLang's /generate JSON into a TokenOutput; FatalRequestError if it is not usable."""
+def parse_version(v: Any) -> int | None:
+    """A server's weight_version label as our integer version (None for labels we did not set)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v.strip())
+    return None
+
+
+def parse_generate_response(body: Any, server: str, *, stamp: int | None = None,
+                            single_version: bool = False) -> TokenOutput:
+    """Turn SGLang's /generate JSON into a TokenOutput; FatalRequestError if it is not usable.
+
+    `stamp`: the version of the server when the request was submitted. Per-token versions come from
+    the server's spans when present; else, with `single_version` (the call cannot have spanned an
+    update), from the version the server reports; else every token gets the stamp.
+    """
     if isinstance(body, list):  # batch form; we always send one request
         if len(body) != 1:
             raise FatalRequestError(f"expected one result, got {len(body)}", server=server)
@@ -64,9 +103,18 @@ def parse_generate_response(body: Any, server: str) -> TokenOutput:
         raise FatalRequestError("response has no output_token_logprobs (was return_logprob sent?)", server=server)
     try:
         ids = [int(e[1]) for e in entries]
-        lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+        raw = [e[0] for e in entries]
     except (TypeError, IndexError, ValueError) as e:
         raise FatalRequestError(f"malformed output_token_logprobs: {e}", server=server) from None
+    missing = [i for i, x in enumerate(raw) if x is None]
+    if missing:
+        # A logprob of 0.0 would claim probability 1 and skew every ratio built on it.
+        raise FatalRequestError(f"the server returned no logprob for {len(missing)} sampled token(s) "
+                                f"(first at position {missing[0]})", server=server)
+    try:
+        lps = [float(x) for x in raw]
+    except (TypeError, ValueError) as e:
+        raise FatalRequestError(f"malformed logprob in output_token_logprobs: {e}", server=server) from None
     out_ids = body.get("output_ids")
     if out_ids is not None and list(out_ids) != ids:
         raise FatalRequestError("output_ids and output_token_logprobs disagree", server=server)
@@ -79,10 +127,31 @@ def parse_generate_response(body: Any, server: str) -> TokenOutput:
         logprobs=lps,
         finish_reason=finish,
         weight_version=None if wv is None else str(wv),
+        token_versions=token_versions(len(ids), meta, stamp, single_version=single_version),
         cached_tokens=int(meta.get("cached_tokens") or 0),
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         server=server,
     )
+
+
+def token_versions(n: int, meta: dict[str, Any], stamp: int | None, *, single_version: bool) -> list[int | None]:
+    """Per-token versions of one response (see `parse_generate_response`)."""
+    spans = meta.get("weight_versions")
+    if isinstance(spans, list) and spans:
+        out: list[int | None] = [stamp] * n
+        for sp in spans:
+            try:
+                v, a, b = parse_version(sp["version"]), int(sp["start"]), int(sp["end"])
+            except (KeyError, TypeError, ValueError):
+                return [stamp] * n
+            for i in range(max(0, a), min(n, b)):
+                out[i] = v if v is not None else stamp
+        return out
+    if single_version:
+        v = parse_version(meta.get("weight_version"))
+        if v is not None:
+            return [v] * n
+    return [stamp] * n
 
 
 class ServerManager:
@@ -91,9 +160,11 @@ class ServerManager:
     Use as `async with ServerManager(urls, cfg) as sm:`; all methods must run on one event loop.
     """
 
-    def __init__(self, urls: list[str], config: ManagerConfig | None = None, *, vocab_size: int | None = None):
+    def __init__(self, urls: list[str], config: ManagerConfig | None = None, *, vocab_size: int | None = None,
+                 initial_version: int | None = None):
         """`vocab_size`: when known, prompts with ids outside [0, vocab_size) are rejected client-side
-        (SGLang 0.5.23 crashes its scheduler on such ids instead of answering 400)."""
+        (SGLang 0.5.23 crashes its scheduler on such ids instead of answering 400).
+        `initial_version`: the weight version the servers start with (training: 0, or the resumed step)."""
         if not urls:
             raise ServerError("ServerManager needs at least one server url")
         self.urls = [u.rstrip("/") for u in urls]
@@ -101,15 +172,29 @@ class ServerManager:
         self.vocab_size = vocab_size
         self.router = Router(self.urls, self.cfg.max_inflight_per_server, self.cfg.eject_after_failures,
                              sticky=self.cfg.sticky)
+        for i in range(len(self.urls)):
+            self.router.servers[i].version = initial_version
+        self.resync: ResyncHook | None = None
+        """Set by a trainer: reloads the current weights into one server before it is re-admitted."""
+        self.cache_salt = False
+        """Send a per-version `extra_key` so the prefix cache never serves KV of other weights (the
+        trainer sets it for in_place interrupts, where SGLang cannot flush its cache on an update)."""
+        self.on_event: Callable[[str], None] | None = None
+        """Receives one line per ejection, re-admission and stale server (the trainer prints them)."""
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()  # set whenever capacity or health may have changed
         self._unpaused = asyncio.Event()
         self._unpaused.set()
-        self._rid = itertools.count()
+        self._pause_mode: str | None = None
+        self._interrupts = 0  # abort-mode pauses so far: an abort seen across one is an interrupt
+        self._pauses = 0  # pauses of any mode so far
         self._latencies: deque[float] = deque(maxlen=4096)
         self._stats = {"requests": 0, "retries": 0, "errors": 0, "timeouts": 0, "ejections": 0,
-                       "readmissions": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
+                       "readmissions": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
+                       "interrupted_calls": 0, "continued_calls": 0, "stale_servers": 0, "resyncs": 0,
+                       "cancelled_calls": 0}
         self._down_since: float | None = None
         self._closed = False
 
@@ -133,11 +218,14 @@ class ServerManager:
         self._closed = True
         if self._health_task is not None:
             self._health_task.cancel()
-            try:
-                await self._health_task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
+        if self._background:  # aborts of cancelled calls: give them their (short) timeout to land
+            await asyncio.wait(set(self._background), timeout=self.cfg.health_timeout_s + 1.0)
+            for t in self._background:
+                t.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            self._background.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -148,11 +236,55 @@ class ServerManager:
             raise ServerError("ServerManager is not started (use `async with ServerManager(...)`)")
         return self._session
 
+    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
+        t = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    def _say(self, line: str) -> None:
+        if self.on_event is not None:
+            self.on_event(line)
+
+    # ------------------------------------------------------------------ versions
+
+    @property
+    def expected_version(self) -> int | None:
+        return self.router.expected_version
+
+    def server_versions(self) -> dict[str, int | None]:
+        return {s.url: s.version for s in self.router.servers}
+
+    def expect_version(self, version: int) -> None:
+        """From now on every admitted server must serve `version` (servers known to serve another
+        are ejected as stale until updated or resynced)."""
+        for i in self.router.expect(version):
+            self._stats["stale_servers"] += 1
+            self._say(f"server {self.urls[i]} serves version {self.router.servers[i].version}, "
+                      f"expected {version}: kept out until it is updated")
+        self._changed.set()
+
+    def mark_updated(self, version: int, urls: list[str]) -> None:
+        """A weight push (by the learner) brought these servers to `version`."""
+        for u in urls:
+            i = self.urls.index(u.rstrip("/"))
+            self.router.set_version(i, version)
+            s = self.router.servers[i]
+            if s.stale and self.router.readmit(i):
+                self._stats["readmissions"] += 1
+                self._say(f"server {u} re-admitted at version {version}")
+        self._changed.set()
+
+    def push_targets(self) -> list[str]:
+        """Servers a weight push must reach: admitted ones and those kept out only for their version."""
+        return [s.url for s in self.router.servers if s.healthy or s.stale]
+
     # ------------------------------------------------------------------ generate
 
     async def generate(self, episode_id: str, *, prompt_ids: list[int],
                        sampling_params: SamplingParams | dict[str, Any]) -> TokenOutput:
-        """Generate from `prompt_ids` on some server; the episode sticks to one server when it can."""
+        """Generate from `prompt_ids` on some server; the episode sticks to one server when it can.
+
+        A call interrupted by an abort-mode pause continues after `resume` (see the module doc)."""
         if not prompt_ids:
             raise FatalRequestError("prompt_ids is empty")
         if self.vocab_size is not None:
@@ -160,10 +292,35 @@ class ServerManager:
             if lo < 0 or hi >= self.vocab_size:
                 raise FatalRequestError(f"prompt_ids hold token id {lo if lo < 0 else hi} outside the "
                                         f"vocabulary [0, {self.vocab_size})")
-        if isinstance(sampling_params, SamplingParams):
-            sp = sampling_params.to_sglang()
-        else:
-            sp = dict(sampling_params)
+        sp = sampling_params.to_sglang() if isinstance(sampling_params, SamplingParams) else dict(sampling_params)
+        budget = int(sp.get("max_new_tokens", 128))
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int | None] = []
+        interrupted = 0
+        t0 = time.monotonic()
+        while True:
+            left = budget - len(ids)
+            call_sp = sp if not ids else {**sp, "max_new_tokens": left}
+            epoch = self._interrupts
+            out = await self._generate_once(episode_id, list(prompt_ids) + ids, call_sp)
+            ids += out.token_ids
+            lps += out.logprobs
+            vers += out.token_versions
+            if out.finish_reason == "abort" and self._interrupts != epoch and len(ids) < budget:
+                interrupted += 1
+                self._stats["interrupted_calls"] += 1
+                continue  # a weight update cut it: go on under the new weights once resumed
+            break
+        if interrupted:
+            self._stats["continued_calls"] += 1
+        out.token_ids, out.logprobs, out.token_versions = ids, lps, vers
+        out.interrupted = interrupted
+        out.latency_s = time.monotonic() - t0
+        return out
+
+    async def _generate_once(self, episode_id: str, prompt_ids: list[int], sp: dict[str, Any]) -> TokenOutput:
+        """One call with retries on other servers (no continuation)."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.retry_budget_s
         avoid: set[int] = set()
@@ -173,22 +330,34 @@ class ServerManager:
             await self._wait_unpaused(deadline)
             idx = await self._acquire(episode_id, avoid, deadline, last_err)
             attempt += 1
-            rid = f"{episode_id}-{next(self._rid)}"
-            payload = {"input_ids": prompt_ids, "sampling_params": sp, "return_logprob": True,
-                       "logprob_start_len": -1, "rid": rid, "stream": False}
+            rid = uuid.uuid4().hex
+            stamp = self.router.servers[idx].version
+            payload: dict[str, Any] = {"input_ids": prompt_ids, "sampling_params": sp, "return_logprob": True,
+                                       "logprob_start_len": -1, "rid": rid, "stream": False}
+            if self.cache_salt and stamp is not None:
+                payload["extra_key"] = f"agentloop-v{stamp}"
             url = self.urls[idx]
             ts = time.monotonic()
+            pauses = self._pauses
             try:
                 self._stats["requests"] += 1
-                out = await self._post_generate(url, payload, timeout=max(0.001, min(self.cfg.request_timeout_s,
-                                                                                     deadline - ts)))
+                body = await self._post_generate(url, payload, timeout=max(0.001, min(self.cfg.request_timeout_s,
+                                                                                      deadline - ts)))
+                # Abort-mode interrupts abort whatever runs across them, so a call finished without an
+                # interrupt in between, or cut by one, ran under one version: the one the server reports.
+                single = self._pauses == pauses or self._pause_mode == "abort"
+                out = parse_generate_response(body, url, stamp=stamp, single_version=single)
+            except asyncio.CancelledError:
+                self._stats["cancelled_calls"] += 1
+                self._spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")
+                raise
             except RetryableError as e:
                 self._note_failure(idx)
                 last_err = e
                 avoid.add(idx)
                 if isinstance(e, _Timeout):
                     self._stats["timeouts"] += 1
-                    asyncio.create_task(self._abort_quietly(url, rid))
+                    self._spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")
                 if attempt >= self.cfg.max_attempts or time.monotonic() >= deadline:
                     self._stats["errors"] += 1
                     raise RetryBudgetExhausted(
@@ -257,8 +426,10 @@ class ServerManager:
     def _note_failure(self, idx: int) -> None:
         if self.router.record_failure(idx):
             self._stats["ejections"] += 1
+            self._say(f"server {self.urls[idx]} ejected after {self.router.servers[idx].consecutive_failures} "
+                      f"failures ({self.router.healthy_count}/{len(self.urls)} healthy)")
 
-    async def _post_generate(self, url: str, payload: dict[str, Any], timeout: float) -> TokenOutput:
+    async def _post_generate(self, url: str, payload: dict[str, Any], timeout: float) -> Any:
         to = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s))
         try:
             async with self.session.post(url + "/generate", json=payload, timeout=to) as resp:
@@ -271,7 +442,7 @@ class ServerManager:
                     raise FatalRequestError(f"{url} rejected the request (HTTP {resp.status}): {text[:500]}",
                                             server=url, status=resp.status)
                 try:
-                    body = await resp.json(content_type=None)
+                    return await resp.json(content_type=None)
                 except (json.JSONDecodeError, aiohttp.ContentTypeError, UnicodeDecodeError) as e:
                     raise FatalRequestError(f"{url} sent a non-JSON body: {e}", server=url) from None
         except asyncio.TimeoutError:
@@ -280,34 +451,82 @@ class ServerManager:
             raise RetryableError(f"{url}: {type(e).__name__}: {e}", server=url) from None
         except OSError as e:
             raise RetryableError(f"{url}: {type(e).__name__}: {e}", server=url) from None
-        return parse_generate_response(body, url)
 
     async def _abort_quietly(self, url: str, rid: str) -> None:
         try:
-            await self._admin_post(url, "/abort_request", {"rid": rid}, timeout=5.0)
+            await self._admin_post(url, "/abort_request", {"rid": rid}, timeout=self.cfg.health_timeout_s)
         except Exception:  # noqa: BLE001 - best effort: the server may be the reason we are here
             pass
 
     # ------------------------------------------------------------------ health
 
-    async def check_health(self, idx: int) -> bool:
-        url = self.urls[idx]
-        to = aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)
+    async def _get_ok(self, url: str, path: str, timeout: float) -> Any:
+        """GET url+path; the JSON body (or True for a non-JSON 200), None on any failure."""
+        to = aiohttp.ClientTimeout(total=timeout)
         try:
-            async with self.session.get(url + "/health", timeout=to) as resp:
-                await resp.read()
-                return resp.status == 200
+            async with self.session.get(url + path, timeout=to) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    return None
+                try:
+                    return json.loads(text) if text.strip() else True
+                except json.JSONDecodeError:
+                    return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            return None
+
+    async def check_health(self, idx: int) -> bool:
+        """Liveness of an admitted server (GET /health)."""
+        return await self._get_ok(self.urls[idx], "/health", self.cfg.health_timeout_s) is not None
+
+    async def reported_version(self, idx: int) -> int | None:
+        """The weight version the server says it serves (GET /model_info), None when it does not say."""
+        info = await self._get_ok(self.urls[idx], "/model_info", self.cfg.health_timeout_s)
+        return parse_version(info.get("weight_version")) if isinstance(info, dict) else None
+
+    async def _try_readmit(self, idx: int) -> None:
+        """An ejected server: a probe through its scheduler, then its version; resync when stale."""
+        url = self.urls[idx]
+        if await self._get_ok(url, "/health_generate", self.cfg.health_timeout_s + 20.0) is None:
+            self.router.record_failure(idx)
+            return
+        version = await self.reported_version(idx)
+        expected = self.router.expected_version
+        if expected is not None and version != expected and self.resync is not None:
+            try:
+                await self.resync(url)
+                self._stats["resyncs"] += 1
+                version = await self.reported_version(idx)
+            except Exception as e:  # noqa: BLE001 - it stays out; the next probe tries again
+                self._say(f"server {url}: resync to version {expected} failed: {type(e).__name__}: {e}")
+                return
+        if expected is None and version is None:
+            version = self.router.servers[idx].version
+        was_stale = self.router.servers[idx].stale
+        if self.router.readmit(idx, version):
+            self._stats["readmissions"] += 1
+            self._say(f"server {url} re-admitted at version {version} "
+                      f"({self.router.healthy_count}/{len(self.urls)} healthy)")
+        elif self.router.servers[idx].stale and not was_stale:
+            self._stats["stale_servers"] += 1
+            self._say(f"server {url} answers but serves version {version}, expected {expected}: kept out")
 
     async def probe_all(self) -> None:
-        results = await asyncio.gather(*(self.check_health(i) for i in range(len(self.urls))))
-        for i, ok in enumerate(results):
-            if ok:
-                if self.router.readmit(i):
-                    self._stats["readmissions"] += 1
-            elif self.router.record_failure(i):
-                self._stats["ejections"] += 1
+        if not self._unpaused.is_set():
+            # SGLang parks probes behind a pause and then marks itself unhealthy: never probe one.
+            return
+
+        async def one(i: int) -> None:
+            s = self.router.servers[i]
+            if s.healthy:
+                if await self.check_health(i):
+                    self.router.record_success(i)
+                else:
+                    self._note_failure(i)
+            else:
+                await self._try_readmit(i)
+
+        await asyncio.gather(*(one(i) for i in range(len(self.urls))))
         self._changed.set()
 
     async def _health_loop(self) -> None:
@@ -350,9 +569,10 @@ class ServerManager:
         except aiohttp.ClientError as e:
             raise RequestError(f"{url}{path}: {type(e).__name__}: {e}", server=url) from None
 
-    async def _broadcast(self, path: str, payload: dict[str, Any] | None = None,
-                         only_healthy: bool = True) -> list[Any]:
-        idxs = [i for i, s in enumerate(self.router.servers) if s.healthy or not only_healthy]
+    async def _broadcast(self, path: str, payload: dict[str, Any] | None = None, *,
+                         idxs: list[int] | None = None) -> list[Any]:
+        if idxs is None:
+            idxs = [i for i, s in enumerate(self.router.servers) if s.healthy]
         results = await asyncio.gather(*(self._admin_post(self.urls[i], path, payload) for i in idxs),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -361,12 +581,16 @@ class ServerManager:
         return list(results)
 
     async def pause(self, mode: str = "in_place") -> None:
-        """Stop admitting new requests and pause generation on every server.
+        """Stop admitting new requests and pause generation on every admitted server.
 
-        mode: "in_place" keeps in-flight requests (resumed by `resume`), "abort" aborts them
-        (their callers get finish_reason "abort"), "retract" lets the server requeue them.
+        mode: "in_place" keeps in-flight requests (resumed by `resume`), "abort" aborts them (calls of
+        `generate` continue themselves after `resume`), "retract" lets the server requeue them.
         """
         self._unpaused.clear()
+        self._pause_mode = mode
+        self._pauses += 1
+        if mode == "abort":
+            self._interrupts += 1
         await self._broadcast("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
@@ -374,6 +598,7 @@ class ServerManager:
             await self._broadcast("/continue_generation", {})
         finally:
             self._unpaused.set()
+            self._changed.set()
 
     async def abort_all(self) -> None:
         await self._broadcast("/abort_request", {"rid": "", "abort_all": True})
@@ -381,15 +606,38 @@ class ServerManager:
     async def flush_cache(self) -> None:
         await self._broadcast("/flush_cache", None)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> list[Any]:
-        payload: dict[str, Any] = {"model_path": model_path}
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None, *,
+                                       flush_cache: bool = True, urls: list[str] | None = None) -> list[Any]:
+        """Load HF weights into the servers (`urls`, default: admitted ones and version-stale ones).
+
+        A server that fails the update is ejected (it is resynced before it comes back) as long as one
+        succeeded; with none succeeding it is an error."""
+        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
-            payload["weight_version"] = weight_version
-        results = await self._broadcast("/update_weights_from_disk", payload)
-        for url, r in zip(self.urls, results):
-            if isinstance(r, dict) and r.get("success") is False:
-                raise ServerError(f"{url} refused the weight update: {r.get('message')}")
-        return results
+            payload["weight_version"] = str(weight_version)
+        targets = [self.urls.index(u.rstrip("/")) for u in (urls if urls is not None else self.push_targets())]
+        results = await asyncio.gather(*(self._admin_post(self.urls[i], "/update_weights_from_disk", payload)
+                                         for i in targets), return_exceptions=True)
+        version = parse_version(weight_version)
+        ok, failures = [], []
+        for i, r in zip(targets, results):
+            if isinstance(r, BaseException) or (isinstance(r, dict) and r.get("success") is False):
+                failures.append((i, r.get("message") if isinstance(r, dict) else r))
+            else:
+                ok.append(r)
+                if version is not None:
+                    self.router.set_version(i, version)
+                if self.router.servers[i].stale and self.router.readmit(i):
+                    self._stats["readmissions"] += 1
+        if failures and (not ok or urls is not None):
+            i, why = failures[0]
+            raise ServerError(f"{self.urls[i]} refused the weight update: {why}")
+        for i, why in failures:
+            self.router.eject(i)
+            self._stats["ejections"] += 1
+            self._say(f"server {self.urls[i]} failed the weight update ({why}); ejected until resynced")
+        self._changed.set()
+        return ok
 
     # ------------------------------------------------------------------ gauges
 
@@ -397,6 +645,7 @@ class ServerManager:
         lat = list(self._latencies)
         g: dict[str, float] = {
             "server/healthy": float(self.router.healthy_count),
+            "server/total": float(len(self.urls)),
             "server/inflight": float(sum(s.inflight for s in self.router.servers)),
             "server/latency_p50_s": _percentile(lat, 0.50),
             "server/latency_p99_s": _percentile(lat, 0.99),

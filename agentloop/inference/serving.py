@@ -14,8 +14,10 @@ from agentloop.server_manager import ServerManager
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg: Config, model_path: Path, run_dir: Path) -> AsyncIterator[ServerManager]:
-    """A started ServerManager over external or freshly launched local servers."""
+async def serving(cfg: Config, model_path: Path, run_dir: Path, *,
+                  initial_version: int | None = None) -> AsyncIterator[ServerManager]:
+    """A started ServerManager over external or freshly launched local servers (`initial_version`: the
+    weight version they serve at the start, for training runs)."""
     servers: list[Any] = []
     if cfg.server.urls:
         urls = list(cfg.server.urls)
@@ -27,7 +29,7 @@ async def serving(cfg: Config, model_path: Path, run_dir: Path) -> AsyncIterator
     except (OSError, ValueError):
         vocab = None
     try:
-        async with ServerManager(urls, cfg.manager, vocab_size=vocab) as sm:
+        async with ServerManager(urls, cfg.manager, vocab_size=vocab, initial_version=initial_version) as sm:
             if cfg.server.urls:
                 await sm.wait_ready(timeout=cfg.server.startup_timeout_s)
             yield sm

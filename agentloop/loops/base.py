@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 class TrajectoryBuilder:
     """Response tokens in order, each with its mask and logprob, built where tokens are made.
 
-    Model tokens (`add_model`) carry mask 1 and the server's logprobs; environment and
-    template tokens (`add_env`) carry mask 0 and logprob 0.0.
+    Model tokens (`add_model`) carry mask 1, the server's logprobs and the weight version that
+    sampled each one; environment and template tokens (`add_env`) carry mask 0, logprob 0.0 and no version.
     """
 
     def __init__(self, prompt_ids: list[int]):
@@ -33,6 +33,8 @@ class TrajectoryBuilder:
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
         self.weight_versions: list[str | None] = []
+        self.token_versions: list[int | None] = []
+        self.interrupted_calls = 0
         self.num_turns = 0
 
     def add_model(self, out: TokenOutput) -> None:
@@ -40,12 +42,16 @@ class TrajectoryBuilder:
         self.response_mask.extend([1] * len(out.token_ids))
         self.response_logprobs.extend(float(x) for x in out.logprobs)
         self.weight_versions.append(out.weight_version)
+        tv = out.token_versions if len(out.token_versions) == len(out.token_ids) else [None] * len(out.token_ids)
+        self.token_versions.extend(tv)
+        self.interrupted_calls += out.interrupted > 0
         self.num_turns += 1
 
     def add_env(self, token_ids: list[int]) -> None:
         self.response_ids.extend(token_ids)
         self.response_mask.extend([0] * len(token_ids))
         self.response_logprobs.extend([0.0] * len(token_ids))
+        self.token_versions.extend([None] * len(token_ids))
 
     @property
     def all_ids(self) -> list[int]:
@@ -57,6 +63,8 @@ class TrajectoryBuilder:
         return sum(self.response_mask)
 
     def build(self, **kwargs: Any) -> AgentLoopOutput:
+        if self.interrupted_calls:  # calls a weight update cut and the server manager continued
+            kwargs["metrics"] = {**kwargs.get("metrics", {}), "interrupted_calls": float(self.interrupted_calls)}
         return AgentLoopOutput(
             prompt_ids=self.prompt_ids,
             response_ids=self.response_ids,
@@ -64,6 +72,7 @@ class TrajectoryBuilder:
             response_logprobs=self.response_logprobs,
             num_turns=self.num_turns,
             weight_versions=self.weight_versions,
+            token_versions=self.token_versions if any(v is not None for v in self.token_versions) else [],
             **kwargs,
         )
 

@@ -1,15 +1,23 @@
 """RolloutEngine: runs many concurrent episodes of one agent loop and turns each into a record.
 
 Map:
-    RolloutEngine.run      (sample, repeat) pairs -> fixed pool of worker tasks -> EpisodeRecord each
+    RolloutEngine.run      (sample, repeat) pairs -> worker tasks -> EpisodeRecord each, collected:
+                           the eval path and the synchronous schedule
+    RolloutEngine.stream   a GroupStream: GRPO groups submitted one by one, each coming out of
+                           `next()` once, as soon as its last episode ends (asynchronous training)
     _run_episode           build the loop, seed it, run it under a timeout, score it; any exception
                            becomes an error record (AllServersDownError also stops the run)
     RolloutResult          the records plus summary numbers (reward, pass@k, tokens/s, errors, lag)
 Scoring lives in `scorer.py`, the summary numbers in `summary.py`, the progress line in report.progress.
+Every episode, whichever path runs it, holds one of the engine's `rollout.max_concurrency` slots.
 
-Invariant: every (sample, repeat) handed to `run` comes out exactly once, as a record (result
+Invariants. `run`: every (sample, repeat) handed to it comes out exactly once, as a record (result
 or error), or is counted in `not_started` when the run stops early because every server died.
 Records are passed to `on_record` (the writer) as soon as they exist, so a stopped run keeps them.
+`GroupStream`: every submitted group comes out of `next()` exactly once, complete (one record per
+episode, results and error records) or cancelled (with the reason, its episodes counted, none of its
+records kept). An episode that ended by a server abort is kept with finish_reason "abort" and no
+reward: it is not scored, and training leaves it out (counted).
 """
 
 from __future__ import annotations
@@ -49,6 +57,30 @@ class RolloutResult(BaseModel):
     """Why the run stopped early (None if it finished)."""
 
 
+class GroupOutcome(BaseModel):
+    """One GRPO group as it left a GroupStream: complete, or cancelled."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    sample: Sample
+    """The dispatched prompt (repeat 0); its `uid` is the group key."""
+    records: list[EpisodeRecord] = Field(default_factory=list)
+    """One record per episode, in repeat order (empty when cancelled)."""
+    cancelled: str | None = None
+    """Why the group was cancelled (None: complete)."""
+    n: int
+    """Episodes in the group."""
+    submitted_version: int | None = None
+    """The expected weight version when the group was submitted."""
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the group's sampled tokens (the submission's when none)."""
+        vs = [r.oldest_version for r in self.records]
+        known = [v for v in vs if v is not None]
+        return min(known) if known else self.submitted_version
+
+
 class RolloutEngine:
     """Runs episodes of one registered loop against a ServerManager, `max_concurrency` at a time."""
 
@@ -65,10 +97,44 @@ class RolloutEngine:
         self.progress = progress
         self.progress_stream = progress_stream or sys.stderr
         self.lag = LoopLagMonitor()
+        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
+        self._active = 0  # episodes running now
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._busy_window_t0 = time.monotonic()
+
+    def _episode_started(self) -> None:
+        if self._active == 0:
+            self._busy_since = time.monotonic()
+        self._active += 1
+
+    def _episode_ended(self) -> None:
+        self._active -= 1
+        if self._active == 0 and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    def busy_fraction(self, reset: bool = False) -> float:
+        """Share of wall time, since the last reset, with at least one episode running (the servers
+        had work); 1 - it is the time they sat idle waiting for the learner."""
+        now = time.monotonic()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        frac = busy / max(1e-9, now - self._busy_window_t0)
+        if reset:
+            self._busy_s, self._busy_window_t0 = 0.0, now
+            if self._busy_since is not None:
+                self._busy_since = now
+        return min(1.0, frac)
 
     def sampling_params(self, sample: Sample) -> SamplingParams:
-        seed = derive_seed(self.cfg.rollout.seed, sample.index, sample.repeat)
-        return SamplingParams(**self.cfg.sampling.model_dump(), seed=seed)
+        parts: list[int | str] = [self.cfg.rollout.seed, sample.group_uid, sample.repeat]
+        if sample.attempt:
+            parts.append(f"attempt{sample.attempt}")
+        return SamplingParams(**self.cfg.sampling.model_dump(), seed=derive_seed(*parts))
+
+    def stream(self, *, step: int | None = None) -> "GroupStream":
+        """A stream of GRPO groups (see GroupStream); close it with `await stream.close()`."""
+        return GroupStream(self, step=step)
 
     async def run(self, samples: list[Sample], *, n_samples: int | None = None, step: int | None = None,
                   on_record: RecordSink | None = None) -> RolloutResult:
@@ -91,16 +157,17 @@ class RolloutEngine:
         async def worker() -> None:
             nonlocal started
             for sample in it:
-                if stop_reason:
-                    return
-                started += 1
-                try:
-                    rec = await self._run_episode(sample, step)
-                except AllServersDownError as e:
-                    if not stop_reason:
-                        stop_reason.append(str(e))
-                    await emit(self._error_record(sample, e, step, 0.0))
-                    return
+                async with self._slots:
+                    if stop_reason:
+                        return
+                    started += 1
+                    try:
+                        rec = await self._run_episode(sample, step)
+                    except AllServersDownError as e:
+                        if not stop_reason:
+                            stop_reason.append(str(e))
+                        await emit(self._error_record(sample, e, step, 0.0))
+                        return
                 await emit(rec)
 
         n_workers = max(1, min(self.cfg.rollout.max_concurrency, len(work)))
@@ -127,6 +194,13 @@ class RolloutEngine:
         return result
 
     async def _run_episode(self, sample: Sample, step: int | None) -> EpisodeRecord:
+        self._episode_started()
+        try:
+            return await self._run_episode_inner(sample, step)
+        finally:
+            self._episode_ended()
+
+    async def _run_episode_inner(self, sample: Sample, step: int | None) -> EpisodeRecord:
         t0 = time.monotonic()
         sp = self.sampling_params(sample)
         try:
@@ -148,7 +222,7 @@ class RolloutEngine:
             self.sm.end_episode(sample.episode_id)
         reward, info = out.reward, {}
         error = out.error
-        if error is None and reward is None:
+        if error is None and reward is None and out.finish_reason != "abort":
             t_score = time.monotonic()
             try:
                 reward, info = await self.scorer.score(sample, solution_text(out, self.tokenizer))
@@ -163,7 +237,7 @@ class RolloutEngine:
         return EpisodeRecord(
             **out.model_dump(exclude={"reward", "error"}),
             reward=reward, error=error, reward_info=info,
-            episode_id=sample.episode_id, index=sample.index, repeat=sample.repeat,
+            episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
             data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__, seed=sp.seed or 0,
             ground_truth=sample.ground_truth, wall_s=time.monotonic() - t0, step=step,
         )
@@ -172,7 +246,7 @@ class RolloutEngine:
         return EpisodeRecord(
             prompt_ids=[], response_ids=[], response_mask=[], response_logprobs=[], num_turns=0,
             finish_reason="error", error=f"{type(e).__name__}: {e}",
-            episode_id=sample.episode_id, index=sample.index, repeat=sample.repeat,
+            episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
             data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__,
             seed=self.sampling_params(sample).seed or 0, ground_truth=sample.ground_truth, wall_s=wall, step=step,
         )
@@ -196,3 +270,120 @@ class RolloutEngine:
                   f"reward {sum(rewards) / len(rewards) if rewards else float('nan'):.3f}",
                   f"lag p99 {lag['loop/lag_p99_ms']:.1f}ms"]
         emit(progress_line(done, total, "episodes", fields, elapsed_s=wall), self.progress_stream)
+
+
+class GroupStream:
+    """GRPO groups in flight; each submitted group comes out of `next()` exactly once.
+
+    Each group runs its episodes concurrently (each holding an engine slot); it comes out complete
+    when its last episode ends, or cancelled (`cancel`, `cancel_all`, or every server down). Records
+    of a cancelled group are dropped, its episodes counted. All methods run on the engine's loop.
+    """
+
+    def __init__(self, engine: RolloutEngine, *, step: int | None = None):
+        self.engine = engine
+        self.step = step
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._samples: dict[int, Sample] = {}
+        self._versions: dict[int, int | None] = {}
+        self._started: dict[int, int | None] = {}
+        self._sizes: dict[int, int] = {}
+        self._cancel_reason: dict[int, str] = {}
+        self._done: asyncio.Queue[GroupOutcome] = asyncio.Queue()
+        self.stopped: str | None = None
+        """Set when every server went down: the stream cancels what is left and takes no more."""
+        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "episodes_cancelled": 0}
+
+    @property
+    def running(self) -> int:
+        """Groups submitted and not yet out of `next()` (running or finished, not collected)."""
+        return len(self._tasks)
+
+    def running_uids(self) -> list[int]:
+        return list(self._tasks)
+
+    def submitted_version(self, uid: int) -> int | None:
+        return self._versions.get(uid)
+
+    def started_version(self, uid: int) -> int | None:
+        """The expected weight version when the group's first episode started running (None: none has
+        started yet). Its tokens are of this version or newer."""
+        return self._started.get(uid)
+
+    def submit(self, sample: Sample, n: int) -> None:
+        """Start a group of `n` episodes of `sample` (its `group_uid` must be new in this stream)."""
+        uid = sample.group_uid
+        if uid in self._tasks:
+            raise ValueError(f"group {uid} is already in this stream")
+        if self.stopped:
+            raise AllServersDownError(self.stopped)
+        self._samples[uid] = sample
+        self._sizes[uid] = n
+        self._versions[uid] = self.engine.sm.expected_version
+        self._tasks[uid] = asyncio.create_task(self._group(sample, n), name=f"group-{uid}")
+        self.counts["submitted"] += 1
+
+    def cancel(self, uid: int, reason: str) -> bool:
+        """Cancel a running group (its outcome still comes out of `next()`, cancelled)."""
+        task = self._tasks.get(uid)
+        if task is None or task.done():
+            return False
+        self._cancel_reason[uid] = reason
+        task.cancel()
+        return True
+
+    async def next(self, timeout: float | None = None) -> GroupOutcome:
+        """The next group to finish (complete or cancelled)."""
+        out = await (asyncio.wait_for(self._done.get(), timeout) if timeout is not None else self._done.get())
+        return out
+
+    def ready(self) -> int:
+        """Finished groups waiting to be taken with `next()`."""
+        return self._done.qsize()
+
+    async def cancel_all(self, reason: str) -> list[GroupOutcome]:
+        """Cancel every running group and return every outcome not yet taken (cancelled or complete)."""
+        for uid in list(self._tasks):
+            self.cancel(uid, reason)
+        out = []
+        while self._tasks:
+            out.append(await self._done.get())
+        while not self._done.empty():
+            out.append(self._done.get_nowait())
+        return out
+
+    async def close(self) -> None:
+        await self.cancel_all("stream closed")
+
+    async def _group(self, sample: Sample, n: int) -> None:
+        uid = sample.group_uid
+        eps = [asyncio.create_task(self._episode(sample.with_repeat(r)), name=f"episode-{uid}-{r}") for r in range(n)]
+        outcome: GroupOutcome
+        try:
+            records = await asyncio.gather(*eps)
+            outcome = GroupOutcome(sample=sample, records=list(records), n=n, submitted_version=self._versions[uid])
+            self.counts["completed"] += 1
+        except asyncio.CancelledError:
+            for t in eps:
+                t.cancel()
+            await asyncio.gather(*eps, return_exceptions=True)
+            outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
+                                   cancelled=self._cancel_reason.get(uid) or self.stopped or "cancelled")
+            self.counts["cancelled"] += 1
+            self.counts["episodes_cancelled"] += n
+        del self._tasks[uid]
+        self._started.pop(uid, None)
+        self._done.put_nowait(outcome)
+
+    async def _episode(self, sample: Sample) -> EpisodeRecord:
+        async with self.engine._slots:
+            self._started.setdefault(sample.group_uid, self.engine.sm.expected_version)
+            try:
+                return await self.engine._run_episode(sample, self.step)
+            except AllServersDownError as e:
+                if not self.stopped:
+                    self.stopped = str(e)
+                    for uid in list(self._tasks):  # every server is gone: nothing left can finish
+                        if uid != sample.group_uid:
+                            self.cancel(uid, f"every server went down: {e}")
+                raise asyncio.CancelledError from e

@@ -98,7 +98,7 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
     failed = sum(1 for r in records if r.error is not None)
     adv = compute_advantages(
         [float(r.reward) for r in ok],
-        group_ids([(r.step, r.index) for r in ok]),
+        group_ids([("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok]),
         [r.num_model_tokens for r in ok],
         algo,
     )

@@ -1,32 +1,85 @@
-"""DataCursor: the deterministic, resumable order of training prompts (shuffled per epoch)."""
+"""DataCursor: the deterministic, resumable order of training prompts (shuffled per epoch).
+
+Every prompt handed out gets a uid: its position in the endless, epoch-shuffled stream of rows. So
+the same row in two epochs (or twice in one step, when a step crosses an epoch boundary) is two
+prompts, with their own seeds, episode ids and GRPO groups. Prompts handed out but not trained (in
+flight at a kill, or cancelled as too stale) are given out again (`retry`, or `requeue` in the
+state), first and with a new attempt number, so that over a run each position is trained exactly once.
+
+State (stored with each learner checkpoint, `state()` / `from_state`): {"next": the first position
+never handed out, "requeue": positions handed out but not trained}. A plain int (older runs) means
+{"next": it, "requeue": []}.
+"""
 
 from __future__ import annotations
 
 import random
+from collections import deque
+from typing import Any
 
 from agentloop.errors import ConfigError
 from agentloop.records import Sample
 
 
 class DataCursor:
-    """Prompts in a per-epoch shuffled order; `position` counts prompts consumed (resumable)."""
+    """Prompts in a per-epoch shuffled order; `position` counts positions handed out (resumable)."""
 
-    def __init__(self, samples: list[Sample], seed: int, position: int = 0):
+    def __init__(self, samples: list[Sample], seed: int, position: int = 0, requeue: list[int] | None = None):
         if not samples:
             raise ConfigError("the training set is empty")
         self.samples = samples
         self.seed = seed
         self.position = position
+        self._retry: deque[tuple[int, int]] = deque((int(u), 1) for u in (requeue or []))
+        self._orders: dict[int, list[int]] = {}
+
+    @classmethod
+    def from_state(cls, samples: list[Sample], seed: int, state: Any) -> "DataCursor":
+        if state is None:
+            return cls(samples, seed)
+        if isinstance(state, int):
+            return cls(samples, seed, position=state)
+        if isinstance(state, dict) and isinstance(state.get("next"), int):
+            return cls(samples, seed, position=state["next"], requeue=list(state.get("requeue") or []))
+        raise ConfigError(f"unreadable data position in the checkpoint: {state!r}")
+
+    def state(self, untrained: list[int] | None = None) -> dict[str, Any]:
+        """What a checkpoint stores: the next new position, and the positions handed out but not trained
+        (`untrained`, plus those still waiting to be given out again)."""
+        pending = sorted(set(untrained or []) | {u for u, _ in self._retry})
+        return {"next": self.position, "requeue": pending}
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.samples)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self.samples)))
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is all a run needs
         return order
 
+    def sample_at(self, position: int, attempt: int = 0) -> Sample:
+        """The prompt at a stream position, with its uid (and attempt) set."""
+        epoch, k = divmod(position, len(self.samples))
+        return self.samples[self._order(epoch)[k]].model_copy(update={"uid": position, "attempt": attempt})
+
     def take(self, n: int) -> list[Sample]:
+        """The next n prompts: those to give out again first, then new positions."""
         out = []
         for _ in range(n):
-            epoch, k = divmod(self.position, len(self.samples))
-            out.append(self.samples[self._order(epoch)[k]])
-            self.position += 1
+            if self._retry:
+                uid, attempt = self._retry.popleft()
+                out.append(self.sample_at(uid, attempt))
+            else:
+                out.append(self.sample_at(self.position))
+                self.position += 1
         return out
+
+    def retry(self, sample: Sample) -> None:
+        """Give this prompt out again (its group was cancelled), before any new position."""
+        if sample.uid is None:
+            raise ValueError("retry() needs a prompt handed out by this cursor (uid set)")
+        self._retry.append((sample.uid, sample.attempt + 1))
+
+    @property
+    def pending_retries(self) -> int:
+        return len(self._retry)

@@ -1,24 +1,37 @@
-"""`agentloop train`: rollouts -> learner update -> weight push, step after step.
+"""`agentloop train`: rollouts -> learner update -> weight push, on one event loop.
 
 Map:
-    train_async        the whole run on one event loop: servers, learner process, the step loop
+    train_async        the run: data, model, learner process, servers, then one of the schedules
+    Trainer            what both schedules share: submit a batch, wait for the learner, push its weights
+                       (pause in `train.interrupt` mode -> update -> resume), check versions, log a step
+    Trainer.run_sync   the synchronous schedule: roll out a step's prompts, train, push, repeat
+    Trainer.run_async  the asynchronous schedule (train.schedule=async): a producer keeps groups in flight
+                       under the admission rule, the learner trains as soon as B eligible groups are
+                       ready, too-stale groups are cancelled early and their prompts given out again
     rollout_metrics    a step's records -> train/... or val/... numbers
+    version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
-Parts elsewhere: LearnerProcess (learner_process.py), DataCursor (cursor.py), the mailbox
-(mailbox.py), StepLog and the progress line (agentloop.report).
+Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer), LearnerProcess
+(learner_process.py), DataCursor (cursor.py), the mailbox (mailbox.py), StepLog and the progress line
+(agentloop.report), the group stream (agentloop.rollout.engine.GroupStream).
 
-Synchronous on-policy schedule: every episode of step N is sampled with the weights of step
-N-1; the servers get the new weights (pause -> /update_weights_from_disk -> flush -> resume)
-before step N+1's rollouts start, and each record's `weight_versions` says so. With
-`learner.weight_sync` tensor|nccl the learner pushes them itself: `_learner_update` pauses the
-servers when the learner asks (mailbox sync.request) and resumes them once it is done.
+Versions: v = the weights after v learner updates (initial: 0). Step s trains version s-1 into s;
+with `train.max_staleness` η every trained token was sampled by a version in [s-1-η, s-1]
+(η = 0: exactly s-1, the synchronous schedule). The async schedule with η = 0 gives the same prompts,
+seeds, batches and so the same records and weights as the synchronous one.
 
-Resume: the learner resumes from its last checkpoint and reports `next_step` and the data
-position stored with it; the servers load that step's weights before rolling out again. After a
-kill: a step whose batch was already submitted keeps its rollouts (the learner trains that very
-batch), the partial rollouts file of the step in flight is replaced, and metrics.jsonl keeps one
-line per step (`recover_step_rows`). The learner gets SIGTERM when this process dies, even by
-SIGKILL, so it never outlives the run to race a resumed one.
+Accounting (async): every admitted group ends exactly once as trained (its usable records in a
+batch), cancelled (too stale, or in flight when the run ends; counted, the prompt given out again
+unless the run is ending), and every episode of a trained group as a trained record, an error
+record or an aborted record (both counted, neither trained).
+
+Resume: the learner resumes from its last checkpoint (step C) and reports `next_step` = C+1 and the
+data state stored with it: the next new position and the positions handed out but not trained,
+which are given out again first, so every position is trained exactly once. The servers load
+weights/step-C before rolling out (missing weights are an error). After a kill of the synchronous
+schedule, a step whose batch was already submitted keeps its rollouts, the partial rollouts file of
+the step in flight is replaced, and metrics.jsonl keeps one line per step. The learner gets SIGTERM
+when this process dies, even by SIGKILL, so it never outlives the run to race a resumed one.
 Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers are stopped by
 `serving`, and the last checkpoint stays usable.
 """
@@ -29,6 +42,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +55,19 @@ from agentloop.models.loading import load_tokenizer_for
 from agentloop.records import EpisodeRecord, Sample, read_records
 from agentloop.report.progress import emit, fmt_fields, progress_line
 from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
-from agentloop.rollout.engine import RolloutEngine, RolloutResult
+from agentloop.rollout.engine import GroupOutcome, RolloutEngine, RolloutResult
 from agentloop.rollout.scorer import Scorer
+from agentloop.server_manager import ServerManager, parse_version
 from agentloop.train.cursor import DataCursor
 from agentloop.train.learner_process import LearnerProcess
+from agentloop.train.mailbox import MailboxClient, MailboxError, UpdateResult
+from agentloop.train.schedule import Admission, GroupBuffer, Staleness
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.util.runtime import run_async
 
 
 class TrainingError(AgentLoopError):
     """The training run cannot go on (learner died, servers gone, ...)."""
-
-
-# ---------------------------------------------------------------------------- data order
 
 
 def _data(path: str | None, builtin: str, max_samples: int | None = None) -> list[Sample]:
@@ -70,6 +84,7 @@ def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, floa
         f"{prefix}/reward": sum(r.reward for r in ok) / n if ok else 0.0,
         f"{prefix}/accuracy": sum(r.reward >= 1.0 - 1e-9 for r in ok) / n if ok else 0.0,
         f"{prefix}/errors": float(sum(r.error is not None for r in records)),
+        f"{prefix}/aborted": float(sum(r.error is None and r.finish_reason == "abort" for r in records)),
         f"{prefix}/episodes": float(len(records)),
         f"{prefix}/response_tokens": sum(len(r.response_ids) for r in records) / max(1, len(records)),
         f"{prefix}/model_tokens": sum(r.num_model_tokens for r in records) / max(1, len(records)),
@@ -78,6 +93,36 @@ def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, floa
     if any("tool_calls" in r.metrics for r in records):
         m[f"{prefix}/tool_call_rate"] = sum(r.metrics.get("tool_calls", 0) > 0 for r in records) / max(1, len(records))
         m[f"{prefix}/tool_calls"] = sum(r.metrics.get("tool_calls", 0) for r in records) / max(1, len(records))
+    return m
+
+
+def trainable(r: EpisodeRecord) -> bool:
+    """Whether a record goes to the learner: scored, not failed, not cut short by a server abort."""
+    return r.error is None and r.reward is not None and r.finish_reason != "abort"
+
+
+def version_check(records: list[EpisodeRecord], step: int, staleness: Staleness) -> dict[str, float]:
+    """Versions of a step's trained records against the schedule: every model token (and every turn's
+    reported version) must lie in [step-1-η, step-1]. Also the staleness numbers of the step."""
+    lo, hi = staleness.min_version(step), step - 1
+    bad = unknown = 0
+    lags: Counter[int] = Counter()
+    for r in records:
+        vs = [v for v, m in zip(r.token_versions, r.response_mask) if m]
+        if not vs:  # a loop that built its output without TrajectoryBuilder: versions unknown
+            unknown += r.num_model_tokens > 0
+            continue
+        turns = [parse_version(w) for w in r.weight_versions]
+        bad += any(v is None or not lo <= v <= hi for v in vs) or any(t is not None and not lo <= t <= hi
+                                                                       for t in turns)
+        lags.update(staleness.lag(v, step) for v in vs if v is not None)
+    n_tok = sum(lags.values())
+    m: dict[str, float] = {"versions/violations": float(bad), "versions/unknown": float(unknown),
+                           "versions/violation_rate": bad / max(1, len(records)),
+                           "staleness/lag_mean": sum(k * c for k, c in lags.items()) / max(1, n_tok),
+                           "staleness/lag_max": float(max(lags, default=0))}
+    for k in range(staleness.max_staleness + 1):
+        m[f"staleness/lag_{k}_share"] = lags.get(k, 0) / max(1, n_tok)
     return m
 
 
@@ -99,8 +144,13 @@ _PROGRESS_LABELS = {
     "train/reward": "reward", "train/accuracy": "accuracy", "train/tool_call_rate": "tool calls",
     KL_KEY: "kl", ENTROPY_KEY: "entropy", "train/response_tokens": "resp len",
     "val/reward": "val reward", "val/accuracy": "val accuracy", "val/tool_call_rate": "val tool calls",
+    "staleness/lag_mean": "lag", "async/groups_cancelled": "cancelled",
 }
 """Progress-line fields: metrics key -> label (keys missing from a row are left out)."""
+
+_PROGRESS_KEYS = ["train/reward", "train/accuracy", "train/tool_call_rate", KL_KEY, ENTROPY_KEY,
+                  "train/response_tokens", "val/reward", "val/accuracy", "staleness/lag_mean",
+                  "async/groups_cancelled"]
 
 
 # ---------------------------------------------------------------------------- the run
@@ -121,43 +171,277 @@ def resolve_train_model(cfg: Config) -> Path:
     return ensure_tiny_model()
 
 
-async def _push_weights(sm: Any, cfg: Config, weights_dir: Path, version: str) -> float:
-    t0 = time.monotonic()
-    await sm.pause(mode=cfg.train.pause_mode)
-    try:
-        # update_weights_from_disk flushes the prefix cache itself (cached KV of old weights is stale).
-        await sm.update_weights_from_disk(str(weights_dir), weight_version=version)
-    finally:
-        await sm.resume()
-    return time.monotonic() - t0
+class Trainer:
+    """The pieces both schedules share (see the module doc)."""
 
+    def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
+                 client: MailboxClient, learner: LearnerProcess, log: StepLog, cursor: DataCursor,
+                 val_samples: list[Sample]):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.sm = sm
+        self.engine = engine
+        self.client = client
+        self.learner = learner
+        self.log = log
+        self.cursor = cursor
+        self.val_samples = val_samples
+        self.staleness = Staleness(cfg.train.max_staleness)
+        self.weights_dir: Path | None = None
+        """The newest HF weights on disk (what a stale server is resynced to)."""
+        self.final: dict[str, Any] = {}
+        (run_dir / "rollouts").mkdir(exist_ok=True)
 
-async def _learner_update(sm: Any, cfg: Config, client: Any, step: int) -> tuple[Any, float, float]:
-    """Wait for the learner's step and get its weights into the servers: (UpdateResult, learner s, sync s).
+    # ------------------------------------------------------------------ weights
 
-    disk: the learner saved weights/step-N and we load it. tensor|nccl: the learner asks for paused
-    servers, pushes itself, and we resume the servers whatever happens.
-    """
-    from agentloop.train.mailbox import UpdateResult
+    async def push_disk(self, weights_dir: Path, version: int) -> float:
+        """Load HF weights into the servers, interrupting in-flight generation per `train.interrupt`."""
+        t0 = time.monotonic()
+        mode = self.cfg.train.interrupt
+        await self.sm.pause(mode=mode)
+        try:
+            # The update flushes the prefix cache (KV of old weights is stale), except in_place, where
+            # SGLang cannot flush with requests kept running: there a per-version cache key isolates it.
+            await self.sm.update_weights_from_disk(str(weights_dir), weight_version=version,
+                                                   flush_cache=mode != "in_place")
+        finally:
+            await self.sm.resume()
+        self.weights_dir = weights_dir
+        self.sm.expect_version(version)
+        return time.monotonic() - t0
 
-    t0 = time.monotonic()
-    ev = await asyncio.to_thread(client.wait_update_or_sync, step, cfg.train.update_timeout_s)
-    t_learn = time.monotonic() - t0
-    if isinstance(ev, UpdateResult):
-        return ev, t_learn, await _push_weights(sm, cfg, ev.weights_dir, str(step))
-    t1 = time.monotonic()
-    await sm.pause(mode=cfg.train.pause_mode)
-    try:
-        client.allow_sync(step, list(sm.urls))
-        upd = await asyncio.to_thread(client.wait_update, step, cfg.train.update_timeout_s)
-    finally:
-        await sm.resume()
-    return upd, t_learn, time.monotonic() - t1
+    async def resync(self, url: str) -> None:
+        """Reload the current weights into one server (it came back serving older ones)."""
+        version = self.sm.expected_version
+        if self.weights_dir is None or version is None:
+            raise TrainingError("no weights on disk to resync a server with (weight_sync tensor|nccl: it "
+                                "stays out until the next push)")
+        await self.sm.update_weights_from_disk(str(self.weights_dir), weight_version=version, urls=[url])
+
+    async def learner_update(self, step: int) -> tuple[UpdateResult, float, float]:
+        """Wait for the learner's step and get its weights into the servers: (result, learner s, sync s).
+
+        disk: the learner saved weights/step-N and we load it. tensor|nccl: the learner asks for paused
+        servers, pushes itself to every server that must hold the weights, and we resume the servers
+        whatever happens."""
+        t0 = time.monotonic()
+        timeout = self.cfg.train.update_timeout_s
+        ev = await asyncio.to_thread(self.client.wait_update_or_sync, step, timeout)
+        t_learn = time.monotonic() - t0
+        if isinstance(ev, UpdateResult):
+            if ev.weights_dir is None:
+                raise TrainingError(f"the learner reported step {step} without weights to load")
+            return ev, t_learn, await self.push_disk(ev.weights_dir, step)
+        t1 = time.monotonic()
+        await self.sm.pause(mode=self.cfg.train.interrupt)
+        try:
+            targets = self.sm.push_targets()
+            self.client.allow_sync(step, targets)
+            upd = await asyncio.to_thread(self.client.wait_update, step, timeout)
+        finally:
+            await self.sm.resume()
+        self.sm.mark_updated(step, targets)
+        self.sm.expect_version(step)
+        return upd, t_learn, time.monotonic() - t1
+
+    async def resume_weights(self, first: int) -> None:
+        """Before step `first` (> 1) rolls out, the servers must serve weights/step-(first-1)."""
+        prev = self.client.paths.weights(first - 1)
+        if not prev.is_dir():
+            raise TrainingError(
+                f"cannot resume at step {first}: the weights of step {first - 1} are missing ({prev}); the "
+                "servers would serve the initial weights. Restore them, or start a new run (train.resume=false)")
+        await self.push_disk(prev, first - 1)
+
+    # ------------------------------------------------------------------ a step
+
+    def batch_records(self, step: int, records: list[EpisodeRecord]) -> tuple[list[EpisodeRecord], dict[str, float]]:
+        """The step's records in uid order, stamped with the step; the trainable ones; version checks."""
+        records = sorted(records, key=lambda r: (r.uid if r.uid is not None else r.index, r.repeat))
+        for r in records:
+            r.step = step
+        usable = [r for r in records if trainable(r)]
+        checks = version_check(usable, step, self.staleness)
+        limit = self.cfg.train.max_version_violations
+        if checks["versions/violation_rate"] > limit:
+            raise TrainingError(
+                f"step {step}: {int(checks['versions/violations'])} of {len(usable)} records hold tokens "
+                f"sampled outside versions [{self.staleness.min_version(step)}, {step - 1}] "
+                f"(train.max_version_violations={limit}); servers {self.sm.server_versions()}")
+        return usable, checks
+
+    async def train_step(self, step: int, records: list[EpisodeRecord], t0: float, t_roll: float,
+                         extra: dict[str, float]) -> dict[str, Any]:
+        """Write the step's rollouts, train on them, push the weights, log the step's row."""
+        usable, checks = self.batch_records(step, records)
+        if not usable:
+            first_err = next((r.error or r.finish_reason for r in records), "no records")
+            raise TrainingError(f"step {step}: no trainable episode; first error: {first_err}")
+        path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
+        if not (self.client.paths.ready(step).exists() and path.is_file()):
+            with RecordWriter(path) as writer:
+                for r in records:
+                    writer(r)
+        self.client.submit(step, usable, data_position=extra.pop("_data_state"))
+        try:
+            upd, t_learn, t_sync = await self.learner_update(step)
+        except MailboxError as e:
+            raise TrainingError(f"learner failed at step {step}: {e}\n--- learner.log tail ---\n"
+                                f"{self.learner.log_tail()}") from e
+        row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
+        row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
+        g = self.sm.gauges()
+        # reward_s is summed over episodes and overlaps rollout_s (episodes are scored as they end)
+        row.update({"time/rollout_s": t_roll, "time/learner_s": t_learn, "time/sync_s": t_sync,
+                    "time/reward_s": sum(r.metrics.get("reward_time_s", 0.0) for r in records),
+                    "time/step_s": time.monotonic() - t0,
+                    "rollout/tokens_per_s": sum(r.num_model_tokens for r in records) / max(1e-9, t_roll),
+                    "server/healthy": g["server/healthy"], "server/total": g["server/total"],
+                    "server/ejections": g["server/ejections"], "server/readmissions": g["server/readmissions"]})
+        if self.cfg.train.val_every and self.val_samples and (step % self.cfg.train.val_every == 0
+                                                              or step == self.cfg.train.steps):
+            row.update(await self.validate(step))
+        self.log.log(row)
+        self.log.curves()
+        servers = f"servers {int(g['server/healthy'])}/{int(g['server/total'])}"
+        emit(progress_line(step, self.cfg.train.steps, "steps", fmt_fields(row, _PROGRESS_LABELS, _PROGRESS_KEYS)
+                           + [f"rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s", servers]))
+        self.final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
+        return row
+
+    async def validate(self, step: int) -> dict[str, float]:
+        vdir = self.run_dir / "validation"
+        vdir.mkdir(exist_ok=True)
+        with RecordWriter(vdir / f"step-{step:06d}.jsonl") as writer:
+            res = await self.engine.run(self.val_samples, n_samples=1, step=step, on_record=writer)
+        return rollout_metrics(res.records, "val")
+
+    # ------------------------------------------------------------------ the synchronous schedule
+
+    async def run_sync(self, first: int) -> None:
+        B = self.cfg.train.prompts_per_step
+        for step in range(first, self.cfg.train.steps + 1):
+            t0 = time.monotonic()
+            batch = self.cursor.take(B)
+            path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
+            if self.client.paths.ready(step).exists() and path.is_file():
+                # Submitted before a kill: the learner trains that batch (submit is a no-op), so keep
+                # the complete rollouts it was made from rather than sampling the step again.
+                res = RolloutResult(records=list(read_records(path)))
+            else:
+                path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
+                res = await self.engine.run(batch, step=step)
+            if res.stopped:
+                raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
+            t_roll = time.monotonic() - t0
+            await self.train_step(step, res.records, t0, t_roll, {"_data_state": self.cursor.state()})
+
+    # ------------------------------------------------------------------ the asynchronous schedule
+
+    async def run_async(self, first: int) -> None:
+        cfg = self.cfg
+        B, n = cfg.train.prompts_per_step, cfg.rollout.n_samples
+        steps_left = cfg.train.steps - first + 1
+        admission = Admission(B, cfg.train.max_staleness, total=steps_left * B)
+        buffer: GroupBuffer[GroupOutcome] = GroupBuffer(self.staleness)
+        stream = self.engine.stream()
+        changed = asyncio.Event()
+        state = {"version": first - 1, "ending": False}
+        handed_out: set[int] = set()  # uids given out and not yet trained (for the checkpoint's data state)
+        counts = Counter()
+
+        def give_back(out: GroupOutcome, reason: str) -> None:
+            counts["groups_cancelled"] += 1
+            counts["episodes_cancelled"] += out.n
+            counts[f"cancelled_{reason}"] += 1
+            if not state["ending"]:
+                self.cursor.retry(out.sample)
+
+        async def produce() -> None:
+            while True:
+                k = admission.allowed(state["version"])
+                if k and not stream.stopped:
+                    for s in self.cursor.take(k):
+                        stream.submit(s, n)
+                        admission.started()
+                        handed_out.add(s.group_uid)
+                changed.clear()
+                await changed.wait()
+
+        async def collect() -> None:
+            while True:
+                out = await stream.next()
+                if out.cancelled is not None:
+                    admission.finished(kept=False)
+                    give_back(out, "stale" if out.cancelled.startswith("stale") else "other")
+                elif not self.staleness.trainable(out.oldest_version, state["next_step"]):
+                    admission.finished(kept=False)
+                    give_back(out, "stale")
+                else:
+                    admission.finished(kept=True)
+                    counts["episodes_continued"] += sum(r.metrics.get("interrupted_calls", 0) > 0
+                                                        for r in out.records)
+                    buffer.add(out.sample.group_uid, out.oldest_version, out)
+                changed.set()
+
+        def cancel_stale(next_step: int) -> None:
+            """Groups that can never join `next_step` or a later one: out of the buffer, and running ones
+            whose first tokens are already too old."""
+            for out in buffer.evict_stale(next_step):
+                admission.dropped()
+                give_back(out, "stale")
+            floor = self.staleness.min_version(next_step)
+            for uid in stream.running_uids():
+                v = stream.started_version(uid)
+                if v is not None and v < floor:
+                    stream.cancel(uid, f"stale: started at version {v}, step {next_step} needs >= {floor}")
+
+        state["next_step"] = first
+        tasks = [asyncio.create_task(produce(), name="producer"), asyncio.create_task(collect(), name="collector")]
+        try:
+            for step in range(first, cfg.train.steps + 1):
+                t0 = time.monotonic()
+                state["next_step"] = step
+                cancel_stale(step)
+                while (groups := buffer.take(step, B)) is None:
+                    if stream.stopped:
+                        raise TrainingError(f"rollouts of step {step} stopped: {stream.stopped}")
+                    for t in tasks:
+                        if t.done() and t.exception() is not None:
+                            raise t.exception()  # type: ignore[misc]
+                    changed.clear()
+                    try:
+                        await asyncio.wait_for(changed.wait(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                t_roll = time.monotonic() - t0
+                records = [r for g in groups for r in g.records]
+                for g in groups:
+                    handed_out.discard(g.sample.group_uid)
+                before = dict(counts)
+                extra = {"_data_state": self.cursor.state(untrained=sorted(handed_out)),
+                         "async/groups_in_flight": float(stream.running),
+                         "async/groups_buffered": float(len(buffer)),
+                         "async/busy_frac": self.engine.busy_fraction(reset=True)}
+                state["next_step"] = step + 1
+                await self.train_step(step, records, t0, t_roll, extra)
+                state["version"] = step
+                for k in ("groups_cancelled", "episodes_cancelled", "episodes_continued"):
+                    self.log.rows[-1][f"async/{k}"] = float(counts.get(k, 0) - before.get(k, 0))
+                changed.set()
+        finally:
+            state["ending"] = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            left = await stream.cancel_all("the run ended")
+            kept = sum(o.cancelled is None for o in left) + len(buffer)
+            self.final["async"] = {**{k: int(v) for k, v in counts.items()},
+                                   "groups_left_at_end": len(left) + len(buffer),
+                                   "groups_left_complete": kept}
 
 
 async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    from agentloop.train.mailbox import MailboxClient, MailboxError
-
     loop_cls = get_agent_loop(cfg.rollout.loop)
     train_samples = _data(cfg.train.data_path, cfg.train.builtin)
     val_samples = _data(cfg.train.val_path, cfg.train.val_builtin, cfg.train.val_max_samples) \
@@ -171,73 +455,40 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
     proc = learner.start()
     client = MailboxClient(run_dir, process=proc)
     final: dict[str, Any] = {"run_dir": str(run_dir), "model": str(model_path)}
+    sched = (f"async, max_staleness {cfg.train.max_staleness}, interrupt {cfg.train.interrupt}"
+             if cfg.train.schedule == "async" else "sync")
     print(f"agentloop train: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x "
-          f"{cfg.rollout.n_samples} samples, loop {cfg.rollout.loop}, model {model_path}\n"
+          f"{cfg.rollout.n_samples} samples, loop {cfg.rollout.loop}, schedule {sched}, model {model_path}\n"
           f"  run dir {run_dir} (learner log: {learner.log_path})", file=sys.stderr, flush=True)
     try:
-        async with serving(cfg, model_path, run_dir) as sm:
+        async with serving(cfg, model_path, run_dir, initial_version=0) as sm:
+            sm.on_event = lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True)
+            sm.cache_salt = cfg.train.interrupt == "in_place"
             try:
                 info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
             except AgentLoopError as e:
                 raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
             first = int(info.get("next_step") or 1)
-            cursor = DataCursor(train_samples, cfg.rollout.seed, int(info.get("data_position") or 0))
+            cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, info.get("data_position"))
             recover_step_rows(log, first, client.paths, run_dir)
-            if first > 1:
-                prev = client.paths.weights(first - 1)
-                if prev.is_dir():
-                    await _push_weights(sm, cfg, prev, str(first - 1))
-                print(f"agentloop train: resumed at step {first} (data position {cursor.position})",
-                      file=sys.stderr, flush=True)
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
+            trainer = Trainer(cfg, run_dir, sm, engine, client, learner, log, cursor, val_samples)
+            sm.resync = trainer.resync
+            sm.expect_version(0)
+            if first > 1:
+                await trainer.resume_weights(first)
+                print(f"agentloop train: resumed at step {first} (data position {cursor.position}, "
+                      f"{cursor.pending_retries} prompts to give out again)", file=sys.stderr, flush=True)
             if first == 1 and val_samples:
-                row = {"step": 0.0, **await _validate(engine, val_samples, 0, run_dir)}
+                row = {"step": 0.0, **await trainer.validate(0)}
                 log.log(row)
                 emit(progress_line(0, cfg.train.steps, "steps", fmt_fields(
                     row, _PROGRESS_LABELS, ["val/reward", "val/accuracy", "val/tool_call_rate"])))
-            for step in range(first, cfg.train.steps + 1):
-                t0 = time.monotonic()
-                batch = cursor.take(cfg.train.prompts_per_step)
-                rollouts = run_dir / "rollouts"
-                rollouts.mkdir(exist_ok=True)
-                path = rollouts / f"step-{step:06d}.jsonl"
-                if client.paths.ready(step).exists() and path.is_file():
-                    # Submitted before a kill: the learner trains that batch (submit is a no-op), so keep
-                    # the complete rollouts it was made from rather than sampling the step again.
-                    res = RolloutResult(records=list(read_records(path)))
-                else:
-                    path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
-                    with RecordWriter(path) as writer:
-                        res = await engine.run(batch, step=step, on_record=writer)
-                if res.stopped:
-                    raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
-                t_roll = time.monotonic() - t0
-                usable = [r for r in res.records if r.error is None]
-                if not usable:
-                    raise TrainingError(f"step {step}: every episode failed; first error: {res.records[0].error}")
-                client.submit(step, usable, data_position=cursor.position)
-                try:
-                    upd, t_learn, t_sync = await _learner_update(sm, cfg, client, step)
-                except MailboxError as e:
-                    raise TrainingError(f"learner failed at step {step}: {e}\n--- learner.log tail ---\n"
-                                        f"{learner.log_tail()}") from e
-                row: dict[str, Any] = {"step": float(step), **rollout_metrics(res.records, "train")}
-                row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
-                # reward_s is summed over episodes and overlaps rollout_s (episodes are scored as they end)
-                row.update({"time/rollout_s": t_roll, "time/learner_s": t_learn, "time/sync_s": t_sync,
-                            "time/reward_s": sum(r.metrics.get("reward_time_s", 0.0) for r in res.records),
-                            "time/step_s": time.monotonic() - t0,
-                            "rollout/tokens_per_s": res.summary.get("tokens_per_s", 0.0)})
-                if cfg.train.val_every and val_samples and (step % cfg.train.val_every == 0
-                                                            or step == cfg.train.steps):
-                    row.update(await _validate(engine, val_samples, step, run_dir))
-                log.log(row)
-                log.curves()
-                emit(progress_line(step, cfg.train.steps, "steps", fmt_fields(
-                    row, _PROGRESS_LABELS, ["train/reward", "train/accuracy", "train/tool_call_rate", KL_KEY,
-                                            ENTROPY_KEY, "train/response_tokens", "val/reward", "val/accuracy"])
-                    + [f"rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s"]))
-                final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
+            if cfg.train.schedule == "sync":
+                await trainer.run_sync(first)
+            else:
+                await trainer.run_async(first)
+            final.update(trainer.final)
             client.stop()
     finally:
         if proc.poll() is None:
@@ -253,22 +504,20 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return final
 
 
-async def _validate(engine: RolloutEngine, samples: list[Sample], step: int, run_dir: Path) -> dict[str, float]:
-    vdir = run_dir / "validation"
-    vdir.mkdir(exist_ok=True)
-    with RecordWriter(vdir / f"step-{step:06d}.jsonl") as writer:
-        res = await engine.run(samples, n_samples=1, step=step, on_record=writer)
-    return rollout_metrics(res.records, "val")
+def resolve_learner_defaults(cfg: Config) -> None:
+    """Learner settings that follow from the run: the schedule's length and, when the user did not
+    set it, a checkpoint period (an explicit `learner.checkpoint_every: null` means never)."""
+    if cfg.learner.checkpoint_every is None and "checkpoint_every" not in cfg.learner.model_fields_set:
+        cfg.learner.checkpoint_every = max(1, min(10, cfg.train.steps // 4 or 1))
+    if cfg.learner.total_steps is None:
+        cfg.learner.total_steps = cfg.train.steps
 
 
 def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
     from agentloop.rollout.run import load_plugins
 
     load_plugins(cfg)
-    if cfg.learner.checkpoint_every is None:
-        cfg.learner.checkpoint_every = max(1, min(10, cfg.train.steps // 4 or 1))
-    if cfg.learner.total_steps is None:
-        cfg.learner.total_steps = cfg.train.steps
+    resolve_learner_defaults(cfg)
     run_dir = make_run_dir(cfg)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     return run_dir, run_async(train_async(cfg, run_dir))

@@ -5,7 +5,12 @@ deterministic function of (input ids, seed), so retries elsewhere give the same 
 Behaviour is switched at run time through `mode`: ok | error500 | error400 | hang | slow | garbage.
 Weight-sync endpoints (disk, tensor, distributed, group init/destroy) are recorded in `admin` and set
 `weight_version` when the request carries one; paths in `refuse` answer `success: false` (HTTP 400).
-GET /server_info reports `tp_size`.
+GET /server_info reports `tp_size`; GET /model_info the `weight_version`; GET /health_generate is
+/health. With `token_delay_s` > 0 tokens are made one at a time, so a pause can meet a request
+midway, as in SGLang: mode abort returns the partial tokens (finish abort), retract and in_place
+hold the request and go on after /continue_generation; responses carry `weight_versions` spans
+(switch off with `report_spans=False`, like servers that do not report them).
+`started` is set whenever a generation starts producing tokens (tests wait on it, not on sleeps).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class FakeSGLang:
     tp_size: int = 1
     refuse: set[str] = field(default_factory=set)
     paused: bool = False
+    pause_mode: str | None = None
+    token_delay_s: float = 0.0
+    report_spans: bool = True
+    started: asyncio.Event | None = None
     _runner: web.AppRunner | None = None
     _unpause: asyncio.Event | None = None
     _inflight: dict[str, asyncio.Future] = field(default_factory=dict)
@@ -52,6 +61,8 @@ class FakeSGLang:
         app = web.Application()
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health)
+        app.router.add_get("/model_info", self._model_info)
         for path in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
                      "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
                      "/update_weights_from_distributed", "/destroy_weights_update_group"):
@@ -59,6 +70,8 @@ class FakeSGLang:
         app.router.add_get("/server_info", self._server_info)
         self._unpause = asyncio.Event()
         self._unpause.set()
+        self._abort = asyncio.Event()
+        self.started = asyncio.Event()
         self.port = self.port or _free_port()
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
@@ -70,6 +83,9 @@ class FakeSGLang:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "fake", "weight_version": self.weight_version})
 
     async def _health(self, request: web.Request) -> web.Response:
         if not self.healthy or self.mode == "hang":
@@ -104,16 +120,38 @@ class FakeSGLang:
         sp = body.get("sampling_params", {})
         ids = self.tokens_for(body["input_ids"], sp.get("sampling_seed"), int(sp.get("max_new_tokens", 16)),
                               self.vocab, self.eos_id)
+        spans = [[self.weight_version, 0, 0]]
+        finish: dict[str, Any] = {"type": "length", "length": len(ids)}
+        if self.token_delay_s > 0:
+            made: list[int] = []
+            assert self.started is not None
+            for t in ids:
+                if self.paused:
+                    if self.pause_mode == "abort":
+                        finish = {"type": "abort", "message": "Aborted", "status_code": None}
+                        break
+                    await self._unpause.wait()  # retract / in_place: go on after continue
+                if spans[-1][0] != self.weight_version:
+                    spans.append([self.weight_version, len(made), len(made)])
+                made.append(t)
+                spans[-1][2] = len(made)
+                self.started.set()
+                await asyncio.sleep(self.token_delay_s)
+            ids = made
+        else:
+            spans[-1][2] = len(ids)
         self.completed.append(rid)
         meta = {
             "id": rid,
-            "finish_reason": {"type": "length", "length": len(ids)},
+            "finish_reason": finish,
             "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(ids),
             "cached_tokens": max(0, len(body["input_ids"]) - 4),
             "weight_version": self.weight_version,
             "output_token_logprobs": [[-0.5, t, None] for t in ids],
         }
+        if self.report_spans:
+            meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans if b > a]
         return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
     async def _server_info(self, request: web.Request) -> web.Response:
@@ -129,9 +167,11 @@ class FakeSGLang:
         assert self._unpause is not None
         if path == "/pause_generation":
             self.paused = True
+            self.pause_mode = body.get("mode", "abort")
             self._unpause.clear()
         elif path == "/continue_generation":
             self.paused = False
+            self.pause_mode = None
             self._unpause.set()
         elif path == "/update_weights_from_disk":
             self.weight_version = str(body.get("weight_version") or "updated")

@@ -370,7 +370,7 @@ def test_orchestrator_learner_update_pauses_around_the_push(fakes, tmp_path: Pat
     """tensor/nccl: pause -> (learner pushes) -> resume; disk: pause -> update_weights_from_disk -> resume."""
     from agentloop.config import Config, ManagerConfig
     from agentloop.server_manager import ServerManager
-    from agentloop.train.orchestrator import _learner_update
+    from agentloop.train.orchestrator import Trainer
 
     cfg = Config()
     client = MailboxClient(tmp_path, poll_s=0.01)
@@ -385,15 +385,17 @@ def test_orchestrator_learner_update_pauses_around_the_push(fakes, tmp_path: Pat
         box.write_done(1, None, {}, pushed=True)
 
     async def main():
-        async with ServerManager(urls, ManagerConfig(health_interval_s=60)) as sm:
+        async with ServerManager(urls, ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+            trainer = Trainer(cfg, tmp_path, sm, None, client, None, None, None, [])
             th = threading.Thread(target=learner_side)
             th.start()
-            upd, _, _ = await _learner_update(sm, cfg, client, 1)
+            upd, _, _ = await trainer.learner_update(1)
             th.join(10)
-            assert upd.pushed
+            assert upd.pushed and sm.server_versions() == {u: 1 for u in urls} and sm.expected_version == 1
             box.write_done(2, tmp_path / "w2", {})
-            upd2, _, _ = await _learner_update(sm, cfg, client, 2)
+            upd2, _, _ = await trainer.learner_update(2)
             assert upd2.weights_dir == tmp_path / "w2" and not upd2.pushed
+            assert sm.server_versions() == {u: 2 for u in urls} and sm.expected_version == 2
 
     asyncio.run(main())
     for f in fakes:
