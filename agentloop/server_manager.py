@@ -263,15 +263,22 @@ class ServerManager:
                       f"expected {version}: kept out until it is updated")
         self._changed.set()
 
+    def _readmit(self, i: int, version: int | None = None) -> bool:
+        """Router.readmit, counted and said."""
+        if self.router.readmit(i, version):
+            self._stats["readmissions"] += 1
+            self._say(f"server {self.urls[i]} re-admitted at version {self.router.servers[i].version} "
+                      f"({self.router.healthy_count}/{len(self.urls)} healthy)")
+            return True
+        return False
+
     def mark_updated(self, version: int, urls: list[str]) -> None:
         """A weight push (by the learner) brought these servers to `version`."""
         for u in urls:
             i = self.urls.index(u.rstrip("/"))
             self.router.set_version(i, version)
-            s = self.router.servers[i]
-            if s.stale and self.router.readmit(i):
-                self._stats["readmissions"] += 1
-                self._say(f"server {u} re-admitted at version {version}")
+            if self.router.servers[i].stale:
+                self._readmit(i)
         self._changed.set()
 
     def push_targets(self) -> list[str]:
@@ -502,12 +509,12 @@ class ServerManager:
                 return
         if expected is None and version is None:
             version = self.router.servers[idx].version
+        if self.router.servers[idx].healthy:  # the resync's update already brought it back
+            return
         was_stale = self.router.servers[idx].stale
-        if self.router.readmit(idx, version):
-            self._stats["readmissions"] += 1
-            self._say(f"server {url} re-admitted at version {version} "
-                      f"({self.router.healthy_count}/{len(self.urls)} healthy)")
-        elif self.router.servers[idx].stale and not was_stale:
+        if self._readmit(idx, version):
+            return
+        if self.router.servers[idx].stale and not was_stale:
             self._stats["stale_servers"] += 1
             self._say(f"server {url} answers but serves version {version}, expected {expected}: kept out")
 
@@ -627,8 +634,8 @@ class ServerManager:
                 ok.append(r)
                 if version is not None:
                     self.router.set_version(i, version)
-                if self.router.servers[i].stale and self.router.readmit(i):
-                    self._stats["readmissions"] += 1
+                if self.router.servers[i].stale:
+                    self._readmit(i)
         if failures and (not ok or urls is not None):
             i, why = failures[0]
             raise ServerError(f"{self.urls[i]} refused the weight update: {why}")

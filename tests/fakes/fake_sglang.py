@@ -70,7 +70,9 @@ class FakeSGLang:
         app.router.add_get("/server_info", self._server_info)
         self._unpause = asyncio.Event()
         self._unpause.set()
-        self._abort = asyncio.Event()
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.started = asyncio.Event()
         self.port = self.port or _free_port()
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
@@ -125,19 +127,16 @@ class FakeSGLang:
         if self.token_delay_s > 0:
             made: list[int] = []
             assert self.started is not None
-            for t in ids:
-                if self.paused:
-                    if self.pause_mode == "abort":
-                        finish = {"type": "abort", "message": "Aborted", "status_code": None}
-                        break
-                    await self._unpause.wait()  # retract / in_place: go on after continue
-                if spans[-1][0] != self.weight_version:
-                    spans.append([self.weight_version, len(made), len(made)])
-                made.append(t)
-                spans[-1][2] = len(made)
-                self.started.set()
-                await asyncio.sleep(self.token_delay_s)
-            ids = made
+            self._active += 1
+            self._idle.clear()
+            try:
+                ids = await self._tokens(ids, made, spans)
+            finally:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.set()
+            if len(ids) < int(sp.get("max_new_tokens", 16)) and self.paused and self.pause_mode == "abort":
+                finish = {"type": "abort", "message": "Aborted", "status_code": None}
         else:
             spans[-1][2] = len(ids)
         self.completed.append(rid)
@@ -154,6 +153,22 @@ class FakeSGLang:
             meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans if b > a]
         return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
+    async def _tokens(self, ids: list[int], made: list[int], spans: list[list[Any]]) -> list[int]:
+        """Make tokens one at a time; an abort-mode pause cuts here, other pauses hold here."""
+        assert self._unpause is not None and self.started is not None
+        for t in ids:
+            if self.paused:
+                if self.pause_mode == "abort":
+                    return made
+                await self._unpause.wait()  # retract / in_place: go on after continue
+            if spans[-1][0] != self.weight_version:
+                spans.append([self.weight_version, len(made), len(made)])
+            made.append(t)
+            spans[-1][2] = len(made)
+            self.started.set()
+            await asyncio.sleep(self.token_delay_s)
+        return made
+
     async def _server_info(self, request: web.Request) -> web.Response:
         self.admin.append((request.path, None))
         return web.json_response({"tp_size": self.tp_size, "version": "fake"})
@@ -169,6 +184,8 @@ class FakeSGLang:
             self.paused = True
             self.pause_mode = body.get("mode", "abort")
             self._unpause.clear()
+            if self.pause_mode == "abort":  # like SGLang: returns once every running request returned
+                await self._idle.wait()
         elif path == "/continue_generation":
             self.paused = False
             self.pause_mode = None
