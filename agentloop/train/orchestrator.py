@@ -271,14 +271,14 @@ class Trainer:
         return usable, checks
 
     async def train_step(self, step: int, records: list[EpisodeRecord], t0: float, t_roll: float,
-                         extra: dict[str, float]) -> dict[str, Any]:
-        """Write the step's rollouts, train on them, push the weights, log the step's row."""
+                         extra: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
+        """Write the step's rollouts (unless the caller did), train on them, push the weights, log the step."""
         usable, checks = self.batch_records(step, records)
         if not usable:
             first_err = next((r.error or r.finish_reason for r in records), "no records")
             raise TrainingError(f"step {step}: no trainable episode; first error: {first_err}")
         path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
-        if not (self.client.paths.ready(step).exists() and path.is_file()):
+        if write and not (self.client.paths.ready(step).exists() and path.is_file()):
             with RecordWriter(path) as writer:
                 for r in records:
                     writer(r)
@@ -330,13 +330,30 @@ class Trainer:
                 res = RolloutResult(records=list(read_records(path)))
             else:
                 path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
-                res = await self.engine.run(batch, step=step)
+                with RecordWriter(path) as writer:  # each record as it ends: a stopped run keeps them
+                    res = await self.engine.run(batch, step=step, on_record=writer)
             if res.stopped:
                 raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
             t_roll = time.monotonic() - t0
-            await self.train_step(step, res.records, t0, t_roll, {"_data_state": self.cursor.state()})
+            await self.train_step(step, res.records, t0, t_roll, {"_data_state": self.cursor.state()}, write=False)
 
     # ------------------------------------------------------------------ the asynchronous schedule
+
+    async def adopt_submitted(self, first: int) -> int:
+        """After a kill, batches already in the mailbox for steps >= `first` are what the learner trains
+        next: train them as they are, and go on from the data state stored with the last one (its
+        positions handed out but not trained are given out again). Returns the first step to roll out."""
+        step = first
+        while step <= self.cfg.train.steps and self.client.paths.ready(step).exists():
+            t0 = time.monotonic()
+            records = list(read_records(self.client.paths.batch(step)))
+            state = json.loads(self.client.paths.ready(step).read_text()).get("data_position")
+            self.cursor = DataCursor.from_state(self.cursor.samples, self.cursor.seed, state)
+            print(f"agentloop train: step {step} was submitted before the run stopped: training it as it is",
+                  file=sys.stderr, flush=True)
+            await self.train_step(step, records, t0, 0.0, {"_data_state": state})
+            step += 1
+        return step
 
     async def run_async(self, first: int) -> None:
         cfg = self.cfg
@@ -396,7 +413,9 @@ class Trainer:
                 if v is not None and v < floor:
                     stream.cancel(uid, f"stale: started at version {v}, step {next_step} needs >= {floor}")
 
-        state["next_step"] = first
+        first = await self.adopt_submitted(first)
+        state["next_step"], state["version"] = first, first - 1
+        admission.total = (cfg.train.steps - first + 1) * B
         tasks = [asyncio.create_task(produce(), name="producer"), asyncio.create_task(collect(), name="collector")]
         try:
             for step in range(first, cfg.train.steps + 1):
@@ -477,8 +496,8 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
             sm.expect_version(0)
             if first > 1:
                 await trainer.resume_weights(first)
-                print(f"agentloop train: resumed at step {first} (data position {cursor.position}, "
-                      f"{cursor.pending_retries} prompts to give out again)", file=sys.stderr, flush=True)
+                print(f"agentloop train: resumed at step {first} (data position {cursor.position}); "
+                      f"{cursor.pending_retries} prompts to give out again", file=sys.stderr, flush=True)
             if first == 1 and val_samples:
                 row = {"step": 0.0, **await trainer.validate(0)}
                 log.log(row)

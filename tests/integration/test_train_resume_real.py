@@ -153,7 +153,7 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
                  "train.val_every=0", "sampling.max_new_tokens=6", "learner.lr=0.001",
                  "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
                  "learner.checkpoint_every=1", "learner.keep_checkpoints=2", "train.tensorboard=false",
-                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300"]
+                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300", "train.schedule=sync"]
     cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
            "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
            *overrides]
@@ -215,7 +215,7 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
         assert f"resumed at step {resumed_step + 1}" in logs[2].read_text()
     assert [read_meta(p).step for p in list_checkpoints(ckpts)] == [STEPS - 1, STEPS]
     last = read_meta(list_checkpoints(ckpts)[-1])
-    assert last.data_position == STEPS * PROMPTS
+    assert last.data_position == {"next": STEPS * PROMPTS, "requeue": []}
     assert _optimizer_steps(last.path, tmp_path) == {float(STEPS)}  # 4 AdamW steps: state continued
 
     # metrics: each step exactly once

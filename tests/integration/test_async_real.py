@@ -1,0 +1,239 @@
+"""Asynchronous training against the real CPU SGLang server.
+
+- η = 0 async reproduces the synchronous schedule: the same records and the same weights after 2 steps.
+- η = 2 over several steps: no trained token older than η versions, versions monotone within an
+  episode, and each token's recorded logprob is what that token's version of the weights gives it
+  (re-scored with the learner's saved weights of each version).
+- A weight update forced mid-episode in each interrupt mode: the episode continues, is token-exact,
+  and its tokens carry both versions (abort/retract tokens re-scored under their own version).
+- kill -9 during an asynchronous run, then resume: every prompt trained exactly once.
+The shared server gets its original weights back after each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentloop.config import ManagerConfig, load_config
+from agentloop.loops.base import TrajectoryBuilder
+from agentloop.records import read_records
+from agentloop.server_manager import ServerManager
+from agentloop.train.orchestrator import run_train
+from tests.integration.test_train_real import FIXED, _load, _server_logprobs
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+          "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
+
+
+def _cfg(url, model, run_dir, plugin, *extra):
+    return load_config(None, [
+        f"server.urls=[\"{url}\"]", f"model.path=\"{model}\"", f"run_dir=\"{run_dir}\"", "train.val_every=0",
+        "rollout.loop=single_turn_agent_loop", "sampling.max_new_tokens=8", "learner.lr=0.001",
+        f"reward.custom=\"{plugin}:compute_score\"", "train.tensorboard=false", "learner.checkpoint_every=null",
+        "learner.keep_weights=10", *extra])
+
+
+def _by_episode(run_dir: Path, step: int) -> dict:
+    return {r.episode_id: r for r in read_records(run_dir / "rollouts" / f"step-{step:06d}.jsonl")}
+
+
+def _safetensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _hf_token_logprobs(model_dir, ids: list[int], start: int) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= start, under the HF weights in `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return lp[start - 1:].tolist()
+
+
+@pytest.fixture
+def restore(sglang_server, tiny_model_path):
+    yield
+    asyncio.run(_load(sglang_server.url, str(tiny_model_path)))
+
+
+def test_eta0_async_equals_the_synchronous_schedule(sglang_server, tiny_model_path, tmp_path, restore):
+    url, plugin = sglang_server.url, tmp_path / "reward.py"
+    plugin.write_text(REWARD)
+    common = ["train.steps=2", "train.prompts_per_step=3", "rollout.n_samples=2"]
+    runs = {}
+    for schedule in ("sync", "async"):
+        run_dir = tmp_path / schedule
+        runs[schedule], _ = run_train(_cfg(url, tiny_model_path, run_dir, plugin, *common,
+                                           f"train.schedule={schedule}", "train.max_staleness=0"))
+        asyncio.run(_load(url, str(tiny_model_path)))
+    for step in (1, 2):
+        a, b = _by_episode(runs["sync"], step), _by_episode(runs["async"], step)
+        assert sorted(a) == sorted(b) and len(a) == 6, f"step {step}: different episodes"
+        for k in a:
+            ra, rb = a[k], b[k]
+            assert (ra.prompt_ids, ra.response_ids, ra.reward, ra.seed, ra.uid) == \
+                (rb.prompt_ids, rb.response_ids, rb.reward, rb.seed, rb.uid), f"step {step} {k}"
+            assert ra.token_versions == rb.token_versions == [step - 1] * len(ra.response_ids)
+            assert max(abs(x - y) for x, y in zip(ra.response_logprobs, rb.response_logprobs)) < 1e-4
+    wa, wb = _safetensors(runs["sync"] / "weights" / "step-000002"), _safetensors(runs["async"] / "weights" / "step-000002")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_eta2_bounds_versions_and_rescoring(sglang_server, tiny_model_path, tmp_path, restore):
+    url, plugin = sglang_server.url, tmp_path / "reward.py"
+    plugin.write_text(REWARD)
+    run_dir, final = run_train(_cfg(url, tiny_model_path, tmp_path / "run", plugin, "train.steps=4",
+                                    "train.prompts_per_step=2", "rollout.n_samples=2", "train.schedule=async",
+                                    "train.max_staleness=2"))
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    lags = set()
+    weights = {0: tiny_model_path, **{v: run_dir / "weights" / f"step-{v:06d}" for v in (1, 2, 3)}}
+    for step in range(1, 5):
+        recs = list(_by_episode(run_dir, step).values())
+        assert len(recs) == 4 and rows[step - 1]["versions/violations"] == 0
+        for r in recs:
+            vs = [v for v, m in zip(r.token_versions, r.response_mask) if m]
+            assert vs and all(step - 1 - 2 <= v <= step - 1 for v in vs), (step, vs)
+            assert vs == sorted(vs)  # monotone within the episode
+            lags.update(step - 1 - v for v in vs)
+        # re-score each token under the version recorded for it
+        for r in recs[:2]:
+            v = r.token_versions[0]
+            lp = _hf_token_logprobs(weights[v], r.prompt_ids + r.response_ids, len(r.prompt_ids))
+            assert max(abs(a - b) for a, b in zip(lp, r.response_logprobs)) < 2e-3, (step, v)
+    assert max(lags) >= 1, "the run never trained on an older version: nothing was asynchronous"
+    assert final["async"]["groups_left_at_end"] >= 0 and rows[-1]["staleness/lag_max"] <= 2
+
+
+class TwoTurn:
+    """A 2-turn token-only episode through a ServerManager (turn 1 complete, turn 2 long)."""
+
+    def __init__(self, sm: ServerManager, prompt: list[int]):
+        self.sm, self.prompt = sm, prompt
+        self.turn2_sent = asyncio.Event()
+
+    async def run(self) -> TrajectoryBuilder:
+        traj = TrajectoryBuilder(self.prompt)
+        sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+        traj.add_model(await self.sm.generate("ep-0", prompt_ids=traj.all_ids, sampling_params=sp))
+        traj.add_env([7, 8])
+        self.turn2_sent.set()
+        sp2 = {**sp, "max_new_tokens": 600}
+        traj.add_model(await self.sm.generate("ep-0", prompt_ids=traj.all_ids, sampling_params=sp2))
+        return traj
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, restore, mode):
+    from transformers import AutoModelForCausalLM
+
+    url = sglang_server.url
+    v1 = tmp_path / "v1"
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    model.save_pretrained(str(v1))
+
+    async def main():
+        async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+            sm.cache_salt = mode == "in_place"
+            ep = TwoTurn(sm, FIXED)
+            task = asyncio.create_task(ep.run())
+            await ep.turn2_sent.wait()
+            await sm.pause(mode)
+            await sm.update_weights_from_disk(str(v1), weight_version=1, flush_cache=mode != "in_place")
+            await sm.resume()
+            return (await task).build(), sm.gauges()
+
+    out, g = asyncio.run(asyncio.wait_for(main(), 300))
+    vs = [v for v, m in zip(out.token_versions, out.response_mask) if m]
+    assert len(out.response_ids) == 6 + 2 + 600 and out.response_mask == [1] * 6 + [0, 0] + [1] * 600
+    assert vs[:6] == [0] * 6 and vs == sorted(vs) and vs[-1] == 1, "tokens must carry both versions"
+    if mode == "abort":
+        assert g["server/interrupted_calls"] >= 0  # a call still queued at the pause is continued whole
+    if mode != "in_place":  # in_place keeps KV of the old weights: its new tokens are not re-scorable
+        ids = out.prompt_ids + out.response_ids
+        start = len(out.prompt_ids)
+        for version, weights in ((0, tiny_model_path), (1, v1)):
+            lp = _hf_token_logprobs(weights, ids, start)
+            mine = [(a, b) for a, b, m, v in zip(lp, out.response_logprobs, out.response_mask, out.token_versions)
+                    if m and v == version]
+            assert mine and max(abs(a - b) for a, b in mine) < 2e-3, (mode, version)
+
+
+@pytest.mark.timeout(900)
+def test_async_killed_and_resumed_trains_every_prompt_once(sglang_server, tiny_model_path, tmp_path, restore):
+    url, plugin = sglang_server.url, tmp_path / "reward.py"
+    plugin.write_text(REWARD)
+    run_dir = tmp_path / "run"
+    steps, B = 5, 2
+    cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
+           "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
+           f"train.steps={steps}", f"train.prompts_per_step={B}", "rollout.n_samples=2", "train.val_every=0",
+           "sampling.max_new_tokens=6", "learner.lr=0.001", "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
+           "learner.checkpoint_every=2", "train.tensorboard=false", "train.schedule=async", "train.max_staleness=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log1, log2 = tmp_path / "run1.log", tmp_path / "run2.log"
+    procs = []
+    try:
+        with log1.open("wb") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append(p)
+        deadline = time.monotonic() + 400
+        # kill once step 3's batch is submitted (checkpoint 2 exists; groups of later steps in flight)
+        while not (run_dir / "mailbox" / "step-000003" / "batch.ready").exists():
+            assert p.poll() is None, log1.read_text()[-3000:]
+            assert time.monotonic() < deadline, log1.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+        with log2.open("wb") as log:
+            p2 = subprocess.Popen(cmd + ["train.resume=true"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        procs.append(p2)
+        assert p2.wait(500) == 0, log2.read_text()[-3000:]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "resumed at step" in log2.read_text()
+    trained: dict[int, int] = {}
+    for step in range(1, steps + 1):
+        batch = list(read_records(run_dir / "mailbox" / f"step-{step:06d}" / "batch.jsonl"))
+        uids = {r.uid for r in batch}
+        assert len(uids) == B, (step, uids)
+        for u in uids:
+            assert u not in trained, f"prompt {u} trained at steps {trained[u]} and {step}"
+            trained[u] = step
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    # every position below the highest trained one was trained, or was still in flight when the run ended
+    missing = set(range(max(trained) + 1)) - set(trained)
+    assert len(missing) <= summary["async"]["groups_left_at_end"], (sorted(trained), summary["async"])
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [float(s) for s in range(1, steps + 1)]
+    assert len(asyncio.run(_server_logprobs(url, FIXED))) == len(FIXED) - 1
