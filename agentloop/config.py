@@ -58,6 +58,9 @@ class ServerConfig(Section):
     """Running SGLang servers to use (http://host:port). Empty: launch `num_local` servers."""
     num_local: int = Field(default=1, ge=0)
     """How many local SGLang servers to launch when `urls` is empty (one per GPU on CUDA)."""
+    gpus: list[int] | None = None
+    """GPU of each local CUDA server (one entry per server). None: server i on GPU i. Placement:
+    `server.gpus=[0] learner.gpus=[1]` puts them on separate GPUs; `[0]` and `[0]` colocates them."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where local servers run. auto: cuda if a GPU is visible, else cpu (SGLang's CPU engine)."""
     host: str = "127.0.0.1"
@@ -74,6 +77,16 @@ class ServerConfig(Section):
     """Deadline for a local server to answer /health after launch."""
     shutdown_timeout_s: float = Field(default=20.0, gt=0)
     """Grace period between SIGTERM and SIGKILL when stopping local servers."""
+
+    @model_validator(mode="after")
+    def _check_gpus(self) -> "ServerConfig":
+        if self.gpus is not None:
+            if len(self.gpus) != self.num_local:
+                raise ValueError(f"server.gpus lists {len(self.gpus)} GPU(s) for server.num_local={self.num_local} "
+                                 "servers: give one GPU per server")
+            if any(g < 0 for g in self.gpus):
+                raise ValueError(f"server.gpus holds a negative GPU index: {self.gpus}")
+        return self
 
     @field_validator("urls")
     @classmethod

@@ -383,8 +383,10 @@ async def launch_servers(server_cfg: ServerConfig, model_path: str | Path, run_d
     if device == "cuda":
         import torch
 
-        if n > torch.cuda.device_count():
-            raise ServerStartError(f"{n} local CUDA servers requested but {torch.cuda.device_count()} GPUs are visible")
+        visible = torch.cuda.device_count()
+        want = server_cfg.gpus if server_cfg.gpus is not None else list(range(n))
+        if max(want, default=-1) >= visible:
+            raise ServerStartError(f"local CUDA servers on GPUs {want} requested but {visible} GPU(s) are visible")
     log_dir = Path(run_dir) / "servers"
     servers: list[LocalServer] = []
     used_ports: set[int] = set()
@@ -399,7 +401,7 @@ async def launch_servers(server_cfg: ServerConfig, model_path: str | Path, run_d
                 host=server_cfg.host,
                 port=port,
                 device=device,
-                gpu_id=i if device == "cuda" else None,
+                gpu_id=(server_cfg.gpus[i] if server_cfg.gpus is not None else i) if device == "cuda" else None,
                 max_total_tokens=server_cfg.max_total_tokens,
                 mem_fraction_static=server_cfg.mem_fraction_static,
                 extra_args=server_cfg.extra_args,

@@ -91,6 +91,10 @@ class LearnerConfig(_Section):
     """Compute dtype (master weights and optimizer state stay float32). auto: bfloat16 on GPU, float32 on CPU."""
     nproc: int = Field(default=1, ge=1)
     """Learner ranks (torchrun --nproc-per-node)."""
+    gpus: list[int] | None = None
+    """GPUs the learner ranks use (CUDA_VISIBLE_DEVICES of the learner; at least `nproc` of them). None:
+    every visible GPU, rank r on GPU r. With servers on other GPUs, use weight_sync nccl or disk (CUDA IPC,
+    `tensor`, needs the learner and the servers on the same GPUs)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend. auto: nccl on GPU, gloo on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

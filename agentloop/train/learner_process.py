@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from agentloop.config import Config
+from agentloop.errors import ConfigError
 
 
 def _die_with_parent() -> None:
@@ -40,6 +41,9 @@ class LearnerProcess:
                                    resume=cfg.train.resume)
         self.log_path = run_dir / "learner.log"
         self.weight_sync = cfg.learner.weight_sync
+        self.gpus = cfg.learner.gpus
+        if self.gpus is not None and len(self.gpus) < cfg.learner.nproc:
+            raise ConfigError(f"learner.gpus={self.gpus} has fewer GPUs than learner.nproc={cfg.learner.nproc} ranks")
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> subprocess.Popen:
@@ -48,6 +52,8 @@ class LearnerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         if self.weight_sync == "nccl":
             env.setdefault("NCCL_CUMEM_ENABLE", "0")  # see launcher.LocalServer.environment
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True,

@@ -1,0 +1,201 @@
+"""Synchronous vs asynchronous `agentloop train`, side by side on one machine and one server.
+
+One SGLang server is launched once (agentloop's LocalServer) and reused by every run; between runs it
+gets the base weights back. Each run is a real `agentloop train` (its own learner process) with the same
+model, task and sizes, differing only in the schedule: `sync`, or `async:η` (train.max_staleness η).
+Per run, from its metrics.jsonl and rollouts (steps after the first, whose rollout nothing can overlap):
+steps per hour, trained model tokens per second, and the mean split (rollout wait, learner, sync).
+The ideal overlap bound comes from the sync run's own split: (rollout + learner + sync) / max(rollout,
+learner + sync). Results: OUT/async_<name>.json and .md.
+
+Workloads: `single` (single_turn_agent_loop, fixed-length responses, ignore_eos) and `longtail`
+(benchmarks/async_plugin.py: forced calculator calls, heavy-tailed turn counts).
+
+    python benchmarks/async_bench.py --model DIR --workload longtail --runs sync,async:1,async:2 \\
+        --device cuda --server-gpu 0 --learner-gpus 1 --weight-sync nccl --out OUT
+CPU smoke (tiny model): python benchmarks/async_bench.py --device cpu --runs sync,async:1 --steps 3 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = ROOT / "benchmarks" / "async_plugin.py"
+
+
+def workload_overrides(a: argparse.Namespace) -> list[str]:
+    common = ["sampling.ignore_eos=true", "sampling.temperature=1.0"]
+    if a.workload == "single":
+        return common + ["rollout.loop=single_turn_agent_loop", f"sampling.max_new_tokens={a.tokens}"]
+    return common + ["rollout.loop=longtail_tool_loop", f"plugins=[\"{PLUGIN}\"]", "tools.names=[calculator]",
+                     f"tools.max_tokens_per_turn={a.tokens}", f"sampling.max_new_tokens={a.tokens}",
+                     f"tools.max_response_tokens={a.tokens * 20 + 1024}"]
+
+
+def run_overrides(spec: str) -> list[str]:
+    if spec == "sync":
+        return ["train.schedule=sync"]
+    kind, _, eta = spec.partition(":")
+    if kind != "async" or not eta.isdigit():
+        raise SystemExit(f"bad run spec {spec!r}: sync or async:ETA")
+    return ["train.schedule=async", f"train.max_staleness={eta}", "train.interrupt=abort"]
+
+
+async def _post(url: str, path: str, body: dict) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
+            return await r.json(content_type=None)
+
+
+def trained_tokens(run_dir: Path, step: int) -> int:
+    n = 0
+    p = run_dir / "rollouts" / f"step-{step:06d}.jsonl"
+    for line in p.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("error") is None and r.get("reward") is not None and r.get("finish_reason") != "abort":
+            n += sum(r["response_mask"])
+    return n
+
+
+def summarise(run_dir: Path, skip: int) -> dict:
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    rows = [r for r in rows if r.get("step", 0) >= 1]
+    use = [r for r in rows if r["step"] > skip] or rows
+    step_s = [r["time/step_s"] for r in use]
+    toks = sum(trained_tokens(run_dir, int(r["step"])) for r in use)
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in use)  # noqa: E731
+    return {"steps": len(rows), "steps_measured": len(use), "step_s": statistics.fmean(step_s),
+            "steps_per_hour": 3600.0 / statistics.fmean(step_s), "trained_tokens_per_s": toks / sum(step_s),
+            "rollout_s": mean("time/rollout_s"), "learner_s": mean("time/learner_s"), "sync_s": mean("time/sync_s"),
+            "busy_frac": mean("async/busy_frac") if "async/busy_frac" in use[0] else None,
+            "lag_mean": mean("staleness/lag_mean"), "lag_max": max(r.get("staleness/lag_max", 0) for r in use),
+            "cancelled": sum(r.get("async/groups_cancelled", 0) for r in rows),
+            "reward": [round(r.get("train/reward", 0.0), 3) for r in rows]}
+
+
+def table(name: str, res: dict, card: str) -> str:
+    sync = res.get("sync")
+    out = [f"## {name} ({card})", "",
+           "| run | steps/h | trained tok/s | vs sync | step s | rollout wait s | learner s | sync s | server busy | lag mean/max | cancelled |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, r in res.items():
+        if "error" in r:
+            out.append(f"| {k} | failed: {r['error'][:80]} |||||||||")
+            continue
+        ratio = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"] if sync and "error" not in sync else float("nan")
+        busy = "" if r["busy_frac"] is None else f"{r['busy_frac']:.2f}"
+        out.append(f"| {k} | {r['steps_per_hour']:.0f} | {r['trained_tokens_per_s']:,.0f} | {ratio:.2f}x | "
+                   f"{r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['learner_s']:.1f} | {r['sync_s']:.2f} | {busy} | "
+                   f"{r['lag_mean']:.2f}/{r['lag_max']:.0f} | {r['cancelled']:.0f} |")
+    if sync and "error" not in sync:
+        R, L = sync["rollout_s"], sync["learner_s"] + sync["sync_s"]
+        bound = (R + L) / max(R, L, 1e-9)
+        out += ["", f"Ideal overlap bound from the sync run's split: (rollout {R:.1f} + learner/sync {L:.1f}) / "
+                    f"max = **{bound:.2f}x**."]
+        for k, r in res.items():
+            if k != "sync" and "error" not in r:
+                ratio = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+                out.append(f"- {k}: {ratio:.2f}x sync = {ratio / bound:.0%} of the bound")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="model dir or a modelzoo shape name (default: tiny on cpu)")
+    p.add_argument("--workload", choices=["single", "longtail"], default="single")
+    p.add_argument("--runs", default="sync,async:1,async:2")
+    p.add_argument("--name", default="")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--server-gpu", type=int, default=0)
+    p.add_argument("--learner-gpus", default="", help="e.g. 1 (separate) or 0 (colocated); empty: all visible")
+    p.add_argument("--mem-fraction", type=float, default=0.45)
+    p.add_argument("--weight-sync", default="disk", choices=["disk", "tensor", "nccl"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=512, help="new tokens per response (single) or per turn")
+    p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs past this")
+    p.add_argument("--card", default="")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--set", dest="extra", action="append", default=[], help="more KEY=VALUE overrides")
+    a = p.parse_args(argv)
+    t_start = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = a.name or f"{a.workload}_{a.device}"
+    sys.path.insert(0, str(ROOT))
+    from agentloop.inference.launcher import LocalServer
+    from agentloop.models.modelzoo import ensure_shape_model, ensure_tiny_model
+
+    model = Path(a.model) if a.model and Path(a.model).is_dir() else (
+        ensure_shape_model(a.model) if a.model else ensure_tiny_model())
+    card = a.card
+    if not card and a.device == "cuda":
+        import torch
+
+        card = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    server_args = [] if a.device == "cpu" else [
+        "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+        "--cuda-graph-backend-prefill", "disabled"]
+    server = LocalServer(model, device=a.device, gpu_id=a.server_gpu if a.device == "cuda" else None,
+                         mem_fraction_static=a.mem_fraction if a.device == "cuda" else None,
+                         max_total_tokens=None if a.device == "cuda" else 32768, extra_args=server_args,
+                         log_path=out / f"{name}_server.log", startup_timeout_s=400).start()
+    results: dict[str, dict] = {}
+    try:
+        asyncio.run(server.wait_ready())
+        print(f"[{time.monotonic() - t_start:.0f}s] server up at {server.url} ({model})", flush=True)
+        learner = ["learner.device=cuda", "learner.dtype=bfloat16", f"learner.weight_sync={a.weight_sync}"] \
+            if a.device == "cuda" else ["learner.device=cpu"]
+        if a.learner_gpus:
+            learner.append(f"learner.gpus=[{a.learner_gpus}]")
+        base = ["train.val_every=0", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
+                f"rollout.n_samples={a.samples}", "learner.checkpoint_every=null", "train.tensorboard=false",
+                "rollout.max_concurrency=4096", "learner.lr=1e-6", "algo.kl_coef=0.001",
+                *workload_overrides(a), *learner, *a.extra]
+        for spec in a.runs.split(","):
+            if time.monotonic() - t_start > a.budget_s:
+                results[spec] = {"error": "budget spent before this run"}
+                continue
+            run_dir = out / "runs" / f"{name}_{spec.replace(':', '')}"
+            cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", server.url,
+                   "--model", str(model), "--run-dir", str(run_dir), "train.resume=false", *base, *run_overrides(spec)]
+            if a.device == "cuda":
+                cmd += ["--config", str(ROOT / "configs" / "train_qwen_gpu.yaml")]
+            t0 = time.monotonic()
+            left = max(60.0, a.budget_s + 120 - (time.monotonic() - t_start))
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, timeout=left, capture_output=True, text=True)
+                (out / f"{name}_{spec.replace(':', '')}.log").write_text(proc.stdout + proc.stderr)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-600:]}")
+                results[spec] = summarise(run_dir, skip=1)
+            except Exception as e:  # noqa: BLE001 - one failed run must not lose the others' figures
+                results[spec] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"[{time.monotonic() - t_start:.0f}s] {spec}: {time.monotonic() - t0:.0f}s "
+                  f"{json.dumps(results[spec])[:400]}", flush=True)
+            asyncio.run(_post(server.url, "/update_weights_from_disk", {"model_path": str(model), "weight_version": "0"}))
+    finally:
+        server.stop()
+    report = {"name": name, "card": card, "model": str(model), "args": vars(a), "results": results}
+    (out / f"async_{name}.json").write_text(json.dumps(report, indent=1))
+    md = table(f"{name}: {a.workload}, {a.prompts} prompts x {a.samples}, {a.tokens} tokens, learner GPUs "
+               f"{a.learner_gpus or 'all'}, sync {a.weight_sync}", results, card or a.device)
+    (out / f"async_{name}.md").write_text(md)
+    print(md, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
