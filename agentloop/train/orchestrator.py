@@ -43,6 +43,7 @@ from agentloop.report.progress import emit, fmt_fields, progress_line
 from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
 from agentloop.rollout.engine import RolloutEngine, RolloutResult
 from agentloop.rollout.scorer import Scorer
+from agentloop.tools.sandbox import require_isolation
 from agentloop.train.cursor import DataCursor
 from agentloop.train.learner_process import LearnerProcess
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
@@ -264,6 +265,8 @@ async def _validate(engine: RolloutEngine, samples: list[Sample], step: int, run
 def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
     from agentloop.rollout.run import load_plugins
 
+    # rows may bring the python tool or the code reward: refuse unisolated model code up front
+    require_isolation(cfg.tools.python, "agentloop train")
     load_plugins(cfg)
     if cfg.learner.checkpoint_every is None:
         cfg.learner.checkpoint_every = max(1, min(10, cfg.train.steps // 4 or 1))
