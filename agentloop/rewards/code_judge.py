@@ -130,7 +130,10 @@ def _check_test_ast(tree: ast.AST, src: str) -> frozenset[str]:
             bound.update(x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, [a.vararg, a.kwarg])])
         elif isinstance(node, ast.ExceptHandler) and node.name:
             bound.add(node.name)
-    return frozenset(loaded - bound - set(_BUILTINS))
+    free = loaded - bound
+    if free & _UNSAFE_BUILTINS:
+        raise ValueError(f"test code may not use {sorted(free & _UNSAFE_BUILTINS)}: {src[:200]!r}")
+    return frozenset(free - set(_BUILTINS))
 
 
 def parse_test(t: Any, i: int) -> AssertTest | PairTest | IoTest:

@@ -69,6 +69,8 @@ _ISOLATION = {
                 "cgroup_namespace", "minimal_root", "no_new_privs"],
     "none": ["unisolated", "no_new_privs"],
 }
+SETUP_TIMEOUT_S = 60.0
+"""Longest a sandbox may take to start (namespaces, mounts, cgroups) before its program runs."""
 _RLIMITS = ["rlimit_cpu", "rlimit_as", "rlimit_nproc", "rlimit_fsize", "rlimit_nofile"]
 
 
@@ -197,6 +199,7 @@ class SandboxProcess:
         self._killed = False
         self._result: SandboxResult | None = None
         self._setup_error: str | None = None
+        self._t_started: float | None = None
         self._cgroups_applied: list[str] = []
         self._uid_used: int | None = None
 
@@ -283,6 +286,8 @@ class SandboxProcess:
                 if not isinstance(event, dict):
                     break
                 self.events.append(event)
+                if event.get("event") == "started":
+                    self._t_started = time.monotonic()
                 if event.get("event") in ("started", "error"):
                     self._started.set()
         finally:
@@ -291,9 +296,9 @@ class SandboxProcess:
             self._status_done.set()
 
     async def wait_started(self) -> None:
-        """Until the program is forked (or setup failed, or the launcher ended), at most `timeout_s`."""
+        """Until the program is forked (or setup failed, or the launcher ended), at most SETUP_TIMEOUT_S."""
         try:
-            await asyncio.wait_for(self._started.wait(), timeout=self.limits.timeout_s)
+            await asyncio.wait_for(self._started.wait(), timeout=SETUP_TIMEOUT_S)
         except asyncio.TimeoutError:
             pass
 
@@ -318,7 +323,11 @@ class SandboxProcess:
             return await self._finish(timed_out=False, truncated=False)
         waiter = asyncio.ensure_future(self.proc.wait())
         overflow = asyncio.ensure_future(self._overflow.wait())
-        remaining = max(0.0, self.limits.timeout_s - (time.monotonic() - self._t0))
+        # the program's time counts from its fork: a slow sandbox start on a loaded host is not its fault
+        if self._t_started is None:
+            await self.wait_started()
+        start = self._t_started if self._t_started is not None else time.monotonic()
+        remaining = max(0.0, self.limits.timeout_s - (time.monotonic() - start))
         try:
             done, _ = await asyncio.wait({waiter, overflow}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         finally:
