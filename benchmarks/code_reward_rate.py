@@ -2,6 +2,7 @@
 (all tests pass) and a wrong variant of each (a test fails), scored concurrently as in a rollout.
 
     PYTHONPATH=. python benchmarks/code_reward_rate.py [--episodes 64] [--concurrency 4] [--backend auto]
+                                                       [--python /usr/bin/python3]
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from agentloop.rewards.config import CodeRewardConfig
 from agentloop.tools.sandbox import SandboxLimits
 
 
-async def main(episodes: int, concurrency: int, backend: str | None) -> None:
+async def main(episodes: int, concurrency: int, backend: str | None, python: str | None) -> None:
     cfg = CodeRewardConfig(max_concurrent=concurrency)
     extra = {"backend": backend} if backend else {}
+    if python:
+        extra["python"] = python
     limits = SandboxLimits(**extra)
     fn = make_code_reward(cfg, limits)
     jobs = []
@@ -33,7 +36,8 @@ async def main(episodes: int, concurrency: int, backend: str | None) -> None:
     dt = time.monotonic() - t0
     ok = sum(r["score"] == 1.0 for r in results[::2])
     reasons = sorted({r["sandbox"] for r in results})
-    print(f"episodes={episodes} concurrency={concurrency} backend={backend or 'default'} cpus={os.cpu_count()} "
+    print(f"episodes={episodes} concurrency={concurrency} backend={backend or 'default'} python={python or 'default'} "
+          f"cpus={os.cpu_count()} "
           f"wall={dt:.2f}s rate={episodes / dt:.2f} episodes/s reference_ok={ok}/{len(results[::2])} "
           f"reasons={reasons}")
 
@@ -42,6 +46,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--backend", default=None)
+    ap.add_argument("--backend", default=None, help="auto | builtin | bwrap (default: the config default)")
+    ap.add_argument("--python", default=None, help="the sandbox's interpreter (default: the running one)")
     a = ap.parse_args()
-    asyncio.run(main(a.episodes, a.concurrency, a.backend))
+    asyncio.run(main(a.episodes, a.concurrency, a.backend, a.python))

@@ -3,7 +3,8 @@
     isolation_status(limits)   -> IsolationStatus(isolated, backend, reason), probed once per setting
     require_isolation(limits)  ConfigError unless isolated or `allow_unisolated` (used by `agentloop train`)
     find_bwrap()               the bubblewrap binary, or None
-    launch_spec(...)           the JSON the launcher reads (mode, root plan, program, limits, fds)
+    launch_spec(...)           the data the launcher reads (mode, root plan, program, limits, fds)
+    launch_argv(spec)          the command that starts a run (bubblewrap, or our launcher)
     bwrap_argv(...)            the bubblewrap command line of a run
 
 Resolution of `backend` (auto tries them in this order):
@@ -111,7 +112,7 @@ def bwrap_argv(bwrap: str, plan: RootPlan, python: str, disk_bytes: int, spec_fd
 
 def launch_spec(backend: str, limits: SandboxLimits, *, python: str, argv: list[str], files: dict[str, str],
                 status_fd: int, spec_fd: int, workdir: str | None = None, uid: int | None = None,
-                cgroup_procs: list[str] | None = None, channels: list[int] | None = None,
+                cgroup_fds: list[int] | None = None, channels: list[int] | None = None,
                 extra_ro: tuple[str, ...] = ()) -> dict:
     """What the launcher needs for one run (see launcher.py): plain data for marshal; `workdir` is the host
     dir of backend none."""
@@ -123,7 +124,7 @@ def launch_spec(backend: str, limits: SandboxLimits, *, python: str, argv: list[
         "python": python, "argv": argv, "env": scrubbed_env(work), "uid": uid, "gid": uid,
         "cpu_s": limits.cpu_s, "mem_bytes": limits.memory_limit_mb << 20, "nproc": limits.max_processes,
         "fsize_bytes": limits.max_file_mb << 20, "disk_bytes": limits.disk_limit_mb << 20,
-        "cgroup_procs": cgroup_procs or [], "channels": channels or [],
+        "cgroup_fds": cgroup_fds or [], "channels": channels or [],
     }
     if isolated:
         plan = root_plan(python, extra_ro)
@@ -134,6 +135,13 @@ def launch_spec(backend: str, limits: SandboxLimits, *, python: str, argv: list[
                 raise RuntimeError("bwrap backend requested but bubblewrap is not installed")
             spec["bwrap_argv"] = bwrap_argv(bwrap, plan, python, spec["disk_bytes"], spec_fd)
     return spec
+
+
+def launch_argv(spec: dict, spec_fd: int) -> list[str]:
+    """The command that starts a run: bubblewrap itself, or our launcher (builtin, none)."""
+    if spec["mode"] == "bwrap":
+        return spec["bwrap_argv"]
+    return [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), str(spec_fd)]
 
 
 # ------------------------------------------------------------------ probing
@@ -154,7 +162,7 @@ def probe(backend: str, limits: SandboxLimits) -> str | None:
             return str(e)
         os.write(spec_fd, marshal.dumps(spec))
         try:
-            proc = subprocess.run([sys.executable, "-I", "-S", str(LAUNCHER), str(spec_fd)], capture_output=True,
+            proc = subprocess.run(launch_argv(spec, spec_fd), capture_output=True,
                                   pass_fds=(spec_fd, status_w), timeout=60, env={"PATH": "/usr/bin:/bin"})
         except (OSError, subprocess.SubprocessError) as e:
             return f"{type(e).__name__}: {e}"
@@ -193,10 +201,19 @@ def read_events(data: bytes) -> list[dict]:
 _STATUS: dict[tuple, IsolationStatus] = {}
 
 
+def _key(limits: SandboxLimits) -> tuple:
+    return (limits.isolate, limits.backend, interpreter(limits))
+
+
+def cached_status(limits: SandboxLimits) -> IsolationStatus | None:
+    """isolation_status(limits) if it was probed already, else None (never blocks)."""
+    return _STATUS.get(_key(limits))
+
+
 def isolation_status(limits: SandboxLimits | None = None) -> IsolationStatus:
     """How `limits` would run here (probed once per backend choice and interpreter, then cached)."""
     limits = limits or SandboxLimits()
-    key = (limits.isolate, limits.backend, interpreter(limits))
+    key = _key(limits)
     if key in _STATUS:
         return _STATUS[key]
     root = is_root()

@@ -9,14 +9,16 @@ counted and can be killed together), then:
              device files, pivot_root into it, detach the host's root, remount / read-only; fork the
              init (pid 1 of the new pid namespace: a fresh /proc with hidepid=2, reaps orphans), which
              supervises the program
-    bwrap    exec bubblewrap, which builds the same root and runs this file again inside (`--stub SPEC_FD`)
-             to supervise the program
+    bwrap    the engine starts bubblewrap itself (one interpreter start less), which builds the same root
+             and runs this file inside as `python -I -S -c <this file> --stub SPEC_FD`: join the cgroups,
+             a fresh network namespace (bwrap's own has `lo` up), write the files, supervise the program
     none     no isolation (not root, no working bwrap): supervise the program in a host work dir
 
 The supervisor forks the program: rlimits, cwd, channel fds moved to 3 and 4, every other fd closed,
 capability bounding set emptied and the run's own uid/gid (as root), PR_SET_NO_NEW_PRIVS (so setuid
 binaries gain nothing), PR_SET_PDEATHSIG(SIGKILL), then execve of the interpreter with a scrubbed
-environment. It writes events to STATUS_FD, each a 4-byte big-endian length and a marshal'ed dict:
+environment. The cgroups are joined by writing "0" to `cgroup.procs` fds the engine opened, so that
+everything forked afterwards is counted. It writes events to STATUS_FD, each a 4-byte big-endian length and a marshal'ed dict:
 {"event": "started"} once the program is forked, then {"event": "exit", exit_code | signal, cpu_s}; a
 setup failure writes {"event": "error", "message"} and exits 125. (marshal, not json: importing json and
 re is a noticeable part of a start on a loaded machine, and this runs once per sandboxed run.) When the program ends, the supervisor exits; with a pid namespace the kernel then kills every
@@ -251,9 +253,10 @@ def _read_spec(fd):
 
 
 def _join_cgroups(spec):
-    for path in spec.get("cgroup_procs") or []:
-        with open(path, "w") as fh:
-            fh.write(str(os.getpid()))
+    """Move ourselves into the run's cgroups through fds the engine opened (they work inside bwrap too)."""
+    for fd in spec.get("cgroup_fds") or []:
+        os.write(fd, b"0")
+        os.close(fd)
 
 
 def main():
@@ -264,7 +267,8 @@ def main():
     try:
         if stub:  # inside bubblewrap
             os.close(spec_fd)
-            if os.geteuid() == 0:
+            _join_cgroups(spec)
+            if spec.get("uid") is not None:  # root bwrap (no user namespace): we hold the capabilities
                 # bubblewrap configures `lo` in its network namespace; a fresh one has none up, as with the
                 # builtin backend: no network at all, not even loopback (unprivileged bwrap keeps its lo)
                 _check(_libc.unshare(CLONE_NEWNET), "unshare(net namespace)")
@@ -272,8 +276,6 @@ def main():
             sys.exit(supervise(spec, status))
         _join_cgroups(spec)
         mode = spec["mode"]
-        if mode == "bwrap":
-            os.execv(spec["bwrap_argv"][0], spec["bwrap_argv"])  # fds spec/status/channels pass through
         os.close(spec_fd)
         if mode == "none":
             write_files(spec)

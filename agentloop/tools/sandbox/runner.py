@@ -34,17 +34,17 @@ import marshal
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import weakref
 
 from agentloop.tools.sandbox.backends import (
-    LAUNCHER,
     IsolationStatus,
+    cached_status,
     interpreter,
     is_root,
     isolation_status,
+    launch_argv,
     launch_spec,
 )
 from agentloop.tools.sandbox.cgroups import RunCgroups
@@ -140,9 +140,11 @@ _WARNED: set[str] = set()
 
 
 async def _isolation(limits: SandboxLimits) -> IsolationStatus:
-    lock = _STATUS_LOCKS.setdefault(asyncio.get_running_loop(), asyncio.Lock())
-    async with lock:  # one probe at a time, off the event loop
-        st = await asyncio.to_thread(isolation_status, limits)
+    st = cached_status(limits)
+    if st is None:
+        lock = _STATUS_LOCKS.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+        async with lock:  # one probe at a time, off the event loop
+            st = await asyncio.to_thread(isolation_status, limits)
     if not st.isolated and limits.isolate and "unisolated" not in _WARNED:
         _WARNED.add("unisolated")
         logger.warning(
@@ -228,13 +230,16 @@ class SandboxProcess:
                 fds_child += chan_child
             status_r, status_w = os.pipe()
             spec_fd = os.memfd_create("agentloop-sandbox-spec")
+            cgroup_fds: list[int] = []
+            for path in self.cgroups.procs_files if self.cgroups else []:
+                cgroup_fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+                fds_child.append(cgroup_fds[-1])
             spec = launch_spec(backend, limits, python=python, argv=argv, files={**files, "main.py": code},
                                status_fd=status_w, spec_fd=spec_fd, workdir=self.host_workdir, uid=self.uid,
-                               cgroup_procs=self.cgroups.procs_files if self.cgroups else [],
-                               channels=chan_child, extra_ro=extra_ro)
+                               cgroup_fds=cgroup_fds, channels=chan_child, extra_ro=extra_ro)
             os.write(spec_fd, marshal.dumps(spec))
             self.proc = await asyncio.create_subprocess_exec(
-                os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), str(spec_fd),
+                *launch_argv(spec, spec_fd),
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 pass_fds=(spec_fd, status_w, *fds_child), start_new_session=True,

@@ -250,12 +250,16 @@ def test_host_files_are_not_readable(limits):
     planted = [run_dir / "rollouts.jsonl", data_dir / "train.jsonl", CHECKOUT / f".sandbox-secret-{tag}",
                Path(f"/root/.sandbox-secret-{tag}")]
     try:
-        for p in planted:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(secret)
-            os.chmod(p, 0o644)
+        for p in list(planted):
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(secret)
+                os.chmod(p, 0o644)
+            except PermissionError:  # not root: /root and maybe the checkout are not ours to write
+                planted.remove(p)
+        assert planted  # the data dir in /tmp at least; the checkout is also probed through its own source
         paths = [str(p) for p in planted] + [agentloop.__file__, str(Path.home() / ".bash_history"), "/etc/passwd",
-                                             "/etc/shadow", "/proc/1/environ"]
+                                             "/etc/shadow"]
         code = ("for p in %r:\n    try:\n        print(p, 'READ', open(p, errors='replace').read()[:200])\n"
                 "    except OSError as e:\n        print(p, 'denied', type(e).__name__)\n"
                 "import os\nprint(sorted(os.listdir('/')))" % (paths,))
@@ -267,7 +271,7 @@ def test_host_files_are_not_readable(limits):
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)
-        for p in planted[2:]:
+        for p in planted:
             p.unlink(missing_ok=True)
 
 
