@@ -290,12 +290,18 @@ class Channel:
             self.buf.extend(chunk)
 
     def reply(self, rid: int) -> dict:
-        """The first reply line with id `rid` (other lines: replies the solution forged or stale ones)."""
+        """The first reply line with id `rid` (other lines: replies the solution forged or stale ones).
+        At most 2 x the reply cap is read per request, so a flood of lines cannot keep this thread busy."""
         if self.broken:
             raise SessionBroken(self.broken)
+        budget = 2 * self.cap
         while True:
+            line = self._line()
+            budget -= len(line) + 1
+            if budget < 0:
+                raise self._break("reply too large")
             try:
-                msg = json.loads(self._line())
+                msg = json.loads(line)
             except ValueError:
                 continue  # not JSON: written by the solution, not by the child's harness
             if isinstance(msg, dict) and msg.get("id") == rid:
@@ -492,6 +498,8 @@ async def run_function_tests(source: str, entry: str, tests: list[AssertTest | P
             if not fut.done():  # cancelled: EOF ends the thread's waits; its fds stay open until it has
                 proc.kill()
                 await asyncio.wait([fut])
+            if channel.broken:  # hung, flooding or gone: no graceful exit to wait for
+                proc.kill()
             res = await _end(proc)
         if done < 0:
             for i in todo:

@@ -221,7 +221,8 @@ class SandboxProcess:
             argv = [python, "-B", "-s", "-c", _NETWORK_PREAMBLE + _RUN_MAIN]
             if backend != "none" and as_root:
                 self.uid = _UIDS.acquire(limits.uid_base)
-                self.cgroups = RunCgroups.create(limits.memory_limit_mb << 20, limits.max_processes)
+                # + 2: the supervisor (and the builtin's launcher) are in the cgroup too
+                self.cgroups = RunCgroups.create(limits.memory_limit_mb << 20, limits.max_processes + 2)
             chan_child: list[int] = []
             if channels:
                 req_r, self.request_fd = os.pipe()
