@@ -9,7 +9,9 @@ as its own results, which is what any solution controls anyway.
 Protocol: JSON lines, requests on fd 3, replies on fd 4 (stdin/stdout/stderr go to /dev/null, so the
 solution's prints reach nobody). First reply {"id": 0, "ready": true}; then per request
 {"id", "op", "target", "args", "kwargs"} with op load | call | iter | len | bool | exit, the reply
-{"id", "ok": true, "value": V} or {"id", "ok": false, "error": exception type name, "message"}.
+{"id", "ok": true, "value": V} or {"id", "ok": false, "error": exception type name, "message"}; a call
+that got lists, dicts or sets also returns their state afterwards ("args_after", "kwargs_after"), so that
+the parent can apply in-place changes to its own copies.
 
 Values V (both directions): null, booleans, ints, strings, finite floats and lists as JSON; tagged
 objects {"$tuple"|"$set"|"$frozenset": [V...]}, {"$dict": [[K, V]...]}, {"$bytes": latin-1 text},
@@ -165,6 +167,9 @@ def main():
                     args = [codec.decode(a) for a in req.get("args", [])]
                     kwargs = {k: codec.decode(a) for k, a in req.get("kwargs", {}).items()}
                     value = obj(*args, **kwargs)
+                    mutable = (list, dict, set)
+                    after = [a if type(a) in mutable else None for a in args]
+                    kw_after = {k: a for k, a in kwargs.items() if type(a) in mutable}
                 elif op == "iter":
                     value = list(obj)
                 elif op == "len":
@@ -175,6 +180,10 @@ def main():
                     raise ValueError("unknown op %r" % op)
             codec.items = 0
             reply = {"id": rid, "ok": True, "value": codec.encode(value)}
+            if op == "call" and (any(a is not None for a in after) or kw_after):
+                # the state of mutable arguments after the call: tests of in-place functions see it
+                reply["args_after"] = [None if a is None else codec.encode(a) for a in after]
+                reply["kwargs_after"] = {k: codec.encode(a) for k, a in kw_after.items()}
         except BaseException as e:  # noqa: BLE001 - SystemExit and friends from the solution are results too
             name, msg = _describe(e)
             reply = {"id": rid, "ok": False, "error": name, "message": msg}

@@ -13,7 +13,10 @@ and sends back the result as plain JSON data; comparisons, `assert`, arithmetic 
 values this process built from that data. So the solution never sees an expected value or a verdict,
 and what it returns can only be data: an object with its own `__eq__` stays in the child (a `$ref`) and
 equals nothing here. Exceptions come back by type name (a built-in exception type is raised again here,
-so `try: f(-1) except ValueError` tests work).
+so `try: f(-1) except ValueError` tests work). Arguments cross as data too: lists, dicts and sets the
+solution changes in place are updated here after the call; a lambda or other code cannot be passed
+(that test fails with a TypeError naming it). Objects of the solution (`Solution()`) stay in the child
+and can be called, iterated (the child makes a list), passed back, len()'d and bool()'d.
 
 Test code is ground truth (trusted data), but it runs here, so it is restricted: no names or attributes
 starting with "_", no str.format, imports of a few pure modules only, a builtins dict without open,
@@ -325,7 +328,10 @@ class Channel:
         msg = self.reply(rid)
         if msg.get("ok") is True:
             try:
-                return decode_value(msg.get("value"), self)
+                value = decode_value(msg.get("value"), self)
+                _apply_after(args or [], msg.get("args_after"), self)
+                _apply_after(kwargs or {}, msg.get("kwargs_after"), self)
+                return value
             except ProtocolError as e:
                 raise self._break(f"unreadable reply: {e}") from None
         name, message = str(msg.get("error", "Exception"))[:100], str(msg.get("message", ""))[:500]
@@ -339,6 +345,29 @@ class Channel:
             self._send({"id": self.next_id, "op": "exit"})
         except SessionBroken:
             pass
+
+
+def _apply_after(sent: list | dict, after: Any, channel: "Channel") -> None:
+    """Apply the solution's in-place changes of list/dict/set arguments to the test's own objects."""
+    if after is None:
+        return
+    if isinstance(sent, list) and isinstance(after, list):
+        pairs = list(zip(sent, after))
+    elif isinstance(sent, dict) and isinstance(after, dict):
+        pairs = [(sent[k], v) for k, v in after.items() if k in sent]
+    else:
+        raise ProtocolError("bad args_after")
+    for obj, new in pairs:
+        if new is None or type(obj) not in (list, dict, set):
+            continue
+        value = decode_value(new, channel)
+        if type(value) is not type(obj):
+            raise ProtocolError("an argument changed type")
+        if isinstance(obj, list):
+            obj[:] = value
+        else:
+            obj.clear()
+            obj.update(value)
 
 
 class Remote:

@@ -193,7 +193,6 @@ class SandboxProcess:
         self.host_workdir: str | None = None
         self.events: list[dict] = []
         self._started = asyncio.Event()
-        self._status_done = asyncio.Event()
         self._t0 = time.monotonic()
         self._out, self._err = bytearray(), bytearray()
         self._overflow = asyncio.Event()
@@ -299,7 +298,6 @@ class SandboxProcess:
         finally:
             transport.close()
             self._started.set()
-            self._status_done.set()
 
     async def wait_started(self) -> None:
         """Until the program is forked (or setup failed, or the launcher ended), at most SETUP_TIMEOUT_S."""
@@ -447,7 +445,12 @@ async def start_python(code: str, limits: SandboxLimits | None = None, *, stdin:
         return proc
     async with loop_semaphore("sandbox_starts", limits.max_concurrent_starts):
         await proc._start(code, stdin, dict(files or {}), channels, extra_ro)
-        await proc.wait_started()
+        try:
+            await proc.wait_started()
+        except BaseException:  # cancelled while it starts: nothing of it may stay behind
+            proc.kill()
+            await asyncio.shield(proc.wait())
+            raise
     return proc
 
 
