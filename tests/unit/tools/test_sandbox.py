@@ -50,7 +50,9 @@ def run(code: str, limits: SandboxLimits = LIMITS, **kw):
 
 
 def _uid_processes(base: int) -> list[str]:
-    """Processes running under any sandbox uid (there must be none after a run)."""
+    """Processes running under a sandbox uid of this process (there must be none after a run); other
+    processes on the host may be running sandboxes of their own."""
+    base += (os.getpid() % 10000) * 1000
     left = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -58,7 +60,7 @@ def _uid_processes(base: int) -> list[str]:
                 uid = int((d / "status").read_text().split("Uid:")[1].split()[0])
             except (OSError, IndexError):
                 continue
-            if uid >= base:
+            if base <= uid < base + 1000:
                 left.append(d.name)
     return left
 
