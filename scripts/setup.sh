@@ -17,6 +17,23 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import sglang" 2>/dev/nul
     fi
 fi
 
+# bubblewrap: the python tool's and the code reward's sandbox backend (tools.python.backend=auto picks it).
+# Fail soft: without it, root gets the builtin backend; not root gets no isolation (train then refuses).
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        if DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+           || { apt-get update -q >/dev/null 2>&1 \
+                && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1; }; then
+            echo "setup: installed bubblewrap ($(command -v bwrap))"
+        else
+            echo "setup: could not install bubblewrap; the sandbox uses its builtin backend (needs root)" >&2
+        fi
+    else
+        echo "setup: bubblewrap not found (apt-get install bubblewrap as root); the sandbox falls back" \
+             "to its builtin backend (root) or runs unisolated" >&2
+    fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

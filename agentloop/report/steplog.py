@@ -15,6 +15,12 @@ from agentloop.util.fsio import atomic_write_text
 KL_KEY, ENTROPY_KEY = "learner/actor/kl_ref", "learner/actor/entropy"
 """The learner's metrics (prefixed `learner/` in metrics.jsonl) that the progress line and curves show."""
 
+OFF_POLICY_KEYS = {"learner/actor/mismatch_kl": "mismatch KL (behaviour vs proximal)",
+                   "learner/actor/tis_clipped_frac": "tokens with TIS weight capped",
+                   "learner/actor/ratio_masked_frac": "tokens masked by ratio",
+                   "learner/actor/clip_frac": "PPO-clipped tokens"}
+"""Learner metrics of the off-policy correction drawn on curves.html (those present)."""
+
 
 class StepLog:
     """metrics.jsonl (one line per step), optional TensorBoard and W&B, the reward-curve page."""
@@ -67,6 +73,17 @@ class StepLog:
         charts.append(("KL to the reference / entropy",
                        {label: series(k) for k, label in ((KL_KEY, "kl"), (ENTROPY_KEY, "entropy")) if series(k)}))
         charts.append(("response tokens", {"train": series("train/response_tokens")}))
+        if any("staleness/lag_mean" in r for r in self.rows):
+            charts.append(("staleness: version lag of trained tokens",
+                           {"mean": series("staleness/lag_mean"), "max": series("staleness/lag_max")}))
+        if any("async/busy_frac" in r for r in self.rows):
+            charts.append(("asynchronous schedule", {
+                "server busy fraction": series("async/busy_frac"),
+                "groups cancelled (stale)": series("async/groups_cancelled"),
+                "episodes continued across an update": series("async/episodes_continued")}))
+        offp = {label: series(k) for k, label in OFF_POLICY_KEYS.items() if series(k)}
+        if offp:
+            charts.append(("off-policy correction", offp))
         return write_curves_html(self.run_dir / "curves.html", "agentloop train", charts, str(self.run_dir))
 
     def close(self) -> None:

@@ -1,28 +1,30 @@
-"""Code reward: run the answer's code against the row's tests in the python tool's sandbox.
+"""Code reward: run the answer's code against the row's tests; verdicts are computed outside the sandbox.
 
-    CodeRewardConfig      mode (pass_rate | all_or_nothing), time limits, concurrency
+    CodeRewardConfig      mode (pass_rate | all_or_nothing), time limits, concurrency, output cap
     extract_code          the last ```python block of the answer, else the answer's last assistant text
-    build_test_program    answer + tests -> one program whose results come back on a private channel
-    run_code_tests        await it: CodeTestResult (passed, total, sandbox reason, first failure)
+    parse_ground_truth    the row's ground truth -> entry point and checked tests
+    run_code_tests        await it: CodeTestResult (passed, total, reason, first failure)
     make_code_reward      CodeRewardConfig (+ sandbox limits) -> async verl-signature reward
     compute_score         the registered reward of `agentloop/code` (default config)
 
-Ground truth: `{"entry_point": "fn", "tests": [...]}` where a test is an assert statement (a string,
-run in the solution's namespace) or an `[args, expected]` pair (`fn(*args) == expected`, tuples in
-the result compared as lists, since JSON has no tuples). A JSON string of that dict works too.
+Ground truth: `{"entry_point": "fn", "tests": [...]}` (or that dict as a JSON string); a test is one of
 
-Containment is exactly the python tool's: the program runs through `run_python` with the tool's
-`SandboxLimits` (own uid, namespaces, rlimits, scrubbed env, wall and CPU limits), only `timeout_s`
-and `cpu_s` raised for the whole test run. The solution is loaded with `__name__ != "__main__"`, so
-its `if __name__ == "__main__":` block does not run; its stdout/stderr go to /dev/null (so printing
-cannot hit the output cap); each test has its own SIGALRM deadline inside the sandbox, so with
-`pass_rate` the tests before an endless one still count.
+    "assert fn(1, 2) == 3"                      test code, run in the parent with fn a proxy to the solution
+    [[1, 2], 3]                                 fn(*args) == expected, tuples in the result compared as lists
+    {"stdin": "1 2\n", "stdout": "3\n"}          the solution run as a program on that stdin; its stdout must
+                                                match line by line after whitespace normalisation (runs of
+                                                spaces/tabs are one space, line ends stripped, trailing
+                                                empty lines ignored); entry_point not needed
 
-Results come back as lines `<nonce> <i> <ok> <message>` on a duplicate of the original stdout,
-with a per-run random nonce. Simplification, on purpose: the solution runs in the same process as
-the harness, so a program written to read its own source or the harness's frames can learn the
-nonce and forge results; the sandbox contains what such a program can do to the machine, not what it
-can claim about itself. Treat a sudden jump to 1.0 from odd code as a reward hack to inspect.
+Where each part runs (code_judge.py has the details): the solution runs in the python tool's sandbox
+(`SandboxLimits`: isolating backend, own uid, rlimits/cgroups) and only reports what it returned, as
+plain JSON data, or which exception it raised, by type name. The test code, the expected values and
+the comparison stay in this process, so reading files, walking frames, returning an object whose
+`__eq__` is always True, printing or writing forged lines to any fd, exiting early or patching the
+child's modules cannot raise the score: at best the solution chooses its own return values.
+The solution is loaded with `__name__ == "solution"` (its `if __name__ == "__main__":` block does
+not run) and its stdout/stderr go to /dev/null. Loading and each test get `per_test_timeout_s`; a test
+past it fails and the next one gets a fresh process, so with `pass_rate` the other tests still count.
 """
 
 from __future__ import annotations
@@ -30,13 +32,22 @@ from __future__ import annotations
 import json
 import math
 import re
-import secrets
+import time
 from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from agentloop.rewards.code_judge import (
+    AssertTest,
+    IoTest,
+    Outcome,
+    PairTest,
+    parse_test,
+    run_function_tests,
+    run_io_tests,
+)
 from agentloop.rewards.config import CodeRewardConfig
-from agentloop.tools.sandbox import SandboxLimits, loop_semaphore, run_python
+from agentloop.tools.sandbox import SandboxLimits, loop_semaphore
 
 
 class CodeTestResult(BaseModel):
@@ -49,7 +60,8 @@ class CodeTestResult(BaseModel):
     total: int = 0
     """Tests in the ground truth."""
     reason: str = "ok"
-    """The sandbox's verdict (ok, error, timeout, cpu_limit, ...) or no_code / bad_ground_truth."""
+    """ok, or the worst thing the runs hit (setup_error, memory_limit, cpu_limit, timeout, killed, error, ...),
+    or no_code."""
     first_failure: str = ""
     """Message of the first failing test (or of loading the solution)."""
     extracted: str = "none"
@@ -74,129 +86,27 @@ def extract_code(answer: str) -> tuple[str, str]:
     return (text, "text") if text else ("", "none")
 
 
-# ------------------------------------------------------------------ the test program
-
-_HARNESS = r'''
-import json as _j, os as _o, signal as _g
-_NONCE = {nonce!r}
-_ENTRY = {entry!r}
-_TESTS = _j.loads({tests!r})
-_SRC = {source!r}
-_LIMIT = {per_test!r}
-_out = _o.dup(1)
-_null = _o.open(_o.devnull, _o.O_WRONLY)
-_o.dup2(_null, 1)
-_o.dup2(_null, 2)
-
-
-class _Deadline(BaseException):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Deadline("test took longer than %gs" % _LIMIT)
-
-
-_g.signal(_g.SIGALRM, _alarm)
-
-
-def _report(i, ok, msg):
-    line = "%s %d %d %s\n" % (_NONCE, i, 1 if ok else 0, _j.dumps(str(msg)[:1000]))
-    _o.write(_out, line.encode("utf-8", "replace"))
-
-
-def _plain(x):
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, dict):
-        return {{k: _plain(v) for k, v in x.items()}}
-    return x
-
-
-def _describe(e):
-    return "%s: %s" % (type(e).__name__, e) if str(e) else type(e).__name__
-
-
-_ns = {{"__name__": "solution", "__builtins__": __builtins__}}
-try:
-    _g.setitimer(_g.ITIMER_REAL, _LIMIT)
-    exec(compile(_SRC, "solution.py", "exec"), _ns)
-    _g.setitimer(_g.ITIMER_REAL, 0)
-    _loaded = True
-except BaseException as _e:
-    _g.setitimer(_g.ITIMER_REAL, 0)
-    _report(-1, False, "loading the solution failed: " + _describe(_e))
-    _loaded = False
-
-for _i, _t in enumerate(_TESTS):
-    if not _loaded:
-        _report(_i, False, "not run")
-        continue
-    try:
-        _g.setitimer(_g.ITIMER_REAL, _LIMIT)
-        if isinstance(_t, str):
-            exec(compile(_t, "test_%d" % _i, "exec"), _ns)
-            _ok, _msg = True, ""
-        else:
-            _args, _want = _t
-            _got = _ns[_ENTRY](*_args)
-            _ok = _plain(_got) == _want
-            _msg = "" if _ok else "%s(*%r) returned %r, expected %r" % (_ENTRY, _args, _got, _want)
-        _g.setitimer(_g.ITIMER_REAL, 0)
-    except BaseException as _e:
-        _g.setitimer(_g.ITIMER_REAL, 0)
-        _ok, _msg = False, (_t if isinstance(_t, str) else repr(_t)) + " -> " + _describe(_e)
-    _report(_i, _ok, _msg)
-_o._exit(0)
-'''
-
-
-def _check_test(t: Any, i: int) -> Any:
-    if isinstance(t, str):
-        return t
-    if isinstance(t, (list, tuple)) and len(t) == 2:
-        args, expected = t
-        if not isinstance(args, (list, tuple)):
-            raise ValueError(f"test {i}: the args of an [args, expected] pair must be a list, got {args!r}")
-        return [list(args), expected]
-    raise ValueError(f"test {i} must be an assert statement or an [args, expected] pair, got {t!r}")
+# ------------------------------------------------------------------ ground truth and the run
 
 
 def parse_ground_truth(ground_truth: Any) -> tuple[str, list[Any]]:
-    """(entry_point, tests) from the row's ground truth; ValueError when it has neither shape."""
+    """(entry_point, tests) from the row's ground truth; ValueError when it is malformed."""
+    entry, tests = _parse(ground_truth)
+    return entry, [t for t, _ in tests]
+
+
+def _parse(ground_truth: Any) -> tuple[str, list[tuple[Any, AssertTest | PairTest | IoTest]]]:
     gt = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
     if not isinstance(gt, dict) or not isinstance(gt.get("tests"), list) or not gt["tests"]:
         raise ValueError(f"code ground truth must be {{'entry_point': str, 'tests': [...]}}, got {ground_truth!r}")
-    entry = gt.get("entry_point") or ""
-    tests = [_check_test(t, i) for i, t in enumerate(gt["tests"])]
-    if not entry and any(not isinstance(t, str) for t in tests):
+    entry = str(gt.get("entry_point") or "")
+    tests = []
+    for i, t in enumerate(gt["tests"]):
+        parsed = parse_test(t, i)
+        tests.append(([list(parsed.args), parsed.expected] if isinstance(parsed, PairTest) else t, parsed))
+    if not entry and any(isinstance(p, PairTest) for _, p in tests):
         raise ValueError("code ground truth with [args, expected] tests needs an entry_point")
-    return str(entry), tests
-
-
-def build_test_program(source: str, entry_point: str, tests: list[Any], nonce: str,
-                       per_test_timeout_s: float) -> str:
-    """The program the sandbox runs: the harness with the solution and tests embedded as literals."""
-    return _HARNESS.format(nonce=nonce, entry=entry_point, tests=json.dumps(tests), source=source,
-                           per_test=float(per_test_timeout_s))
-
-
-def _parse_results(stdout: str, nonce: str, total: int) -> tuple[int, str]:
-    seen: dict[int, tuple[bool, str]] = {}
-    for line in stdout.splitlines():
-        parts = line.split(" ", 3)
-        if len(parts) < 3 or parts[0] != nonce:
-            continue
-        try:
-            i, ok = int(parts[1]), parts[2] == "1"
-            msg = json.loads(parts[3]) if len(parts) == 4 else ""
-        except ValueError:
-            continue
-        if i not in seen and -1 <= i < total:
-            seen[i] = (ok, str(msg))
-    passed = sum(1 for i in range(total) if seen.get(i, (False, ""))[0])
-    failures = [seen[i][1] for i in sorted(seen) if not seen[i][0]]
-    return passed, failures[0] if failures else ""
+    return entry, tests
 
 
 def _run_limits(limits: SandboxLimits | None, cfg: CodeRewardConfig) -> SandboxLimits:
@@ -206,23 +116,36 @@ def _run_limits(limits: SandboxLimits | None, cfg: CodeRewardConfig) -> SandboxL
     return SandboxLimits(**fields)
 
 
+_SEVERITY = ["setup_error", "memory_limit", "cpu_limit", "file_size_limit", "output_limit", "timeout", "killed",
+             "error"]
+
+
 async def run_code_tests(answer: str, ground_truth: Any, cfg: CodeRewardConfig | None = None,
                          limits: SandboxLimits | None = None) -> CodeTestResult:
-    """Extract the answer's code and run it against the tests in the sandbox (never raises for the code)."""
+    """Extract the answer's code and run it against the tests (never raises for the code)."""
     cfg = cfg or CodeRewardConfig()
-    entry, tests = parse_ground_truth(ground_truth)
+    entry, parsed = _parse(ground_truth)
+    tests = [p for _, p in parsed]
     source, where = extract_code(answer)
     if not source:
         return CodeTestResult(total=len(tests), reason="no_code", extracted=where)
-    nonce = secrets.token_hex(16)
-    program = build_test_program(source, entry, tests, nonce, cfg.per_test_timeout_s)
+    run_limits = _run_limits(limits, cfg)
+    out = Outcome(results=[None] * len(tests))
+    fn_idx = [i for i, t in enumerate(tests) if not isinstance(t, IoTest)]
+    io_idx = [i for i, t in enumerate(tests) if isinstance(t, IoTest)]
     async with loop_semaphore("code_reward", cfg.max_concurrent):
-        res = await run_python(program, _run_limits(limits, cfg))
-    passed, failure = _parse_results(res.stdout, nonce, len(tests))
-    if not failure and passed < len(tests):
-        failure = f"sandbox: {res.reason}"
-    return CodeTestResult(passed=passed, total=len(tests), reason=res.reason,
-                          first_failure=failure[:cfg.max_message_chars], extracted=where)
+        deadline = time.monotonic() + cfg.timeout_s
+        if fn_idx:
+            await run_function_tests(source, entry, tests, cfg.per_test_timeout_s, deadline, run_limits,  # type: ignore[arg-type]
+                                     cfg.max_output_bytes, out, fn_idx)
+        if io_idx:
+            await run_io_tests(source, tests, cfg.per_test_timeout_s, deadline, run_limits,  # type: ignore[arg-type]
+                               cfg.max_output_bytes, out, io_idx)
+    passed = sum(1 for r in out.results if r is not None and r[0])
+    failures = [r[1] for r in out.results if r is not None and not r[0] and r[1] != "not run"]
+    reason = next((r for r in _SEVERITY if r in out.reasons), "ok")
+    return CodeTestResult(passed=passed, total=len(tests), reason=reason,
+                          first_failure=(failures[0] if failures else "")[:cfg.max_message_chars], extracted=where)
 
 
 def score_of(result: CodeTestResult, mode: str) -> float:

@@ -17,11 +17,14 @@ class CodeRewardConfig(BaseModel):
     timeout_s: float = Field(default=10.0, gt=0)
     """Wall-clock limit of one answer's whole test run (replaces the sandbox's timeout_s)."""
     per_test_timeout_s: float = Field(default=2.0, gt=0)
-    """Deadline of loading the solution and of each test (SIGALRM inside the sandbox)."""
+    """Deadline of loading the solution, of each function test and of each stdin/stdout run; a test past it
+    fails and the solution process is replaced for the next test."""
     max_concurrent: int = Field(default=4, ge=1)
     """Test runs at once in this process (per event loop), over all episodes."""
     max_message_chars: int = Field(default=200, ge=0)
     """Length kept of the first failure's message in the reward info."""
+    max_output_bytes: int = Field(default=1 << 20, ge=1024)
+    """Largest value one call may return (as JSON) and largest stdout of a stdin/stdout test; more fails it."""
 
 
 class ToolRewardConfig(BaseModel):

@@ -1,10 +1,10 @@
 """RolloutEngine: runs many concurrent episodes of one agent loop and turns each into a record.
 
 Map:
-    RolloutEngine.run      (sample, repeat) pairs -> worker tasks -> EpisodeRecord each, collected:
-                           the eval path and the synchronous schedule
     RolloutEngine.stream   a GroupStream: GRPO groups submitted one by one, each coming out of
                            `next()` once, as soon as its last episode ends (asynchronous training)
+    RolloutEngine.run      a wrapper that submits every sample's group to a GroupStream and collects
+                           the records: the eval path and the synchronous schedule
     _run_episode           build the loop, seed it, run it under a timeout, score it; any exception
                            becomes an error record (AllServersDownError also stops the run)
     RolloutResult          the records plus summary numbers (reward, pass@k, tokens/s, errors, lag)
@@ -26,7 +26,7 @@ import asyncio
 import inspect
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,12 +138,11 @@ class RolloutEngine:
 
     async def run(self, samples: list[Sample], *, n_samples: int | None = None, step: int | None = None,
                   on_record: RecordSink | None = None) -> RolloutResult:
+        """Every sample's group through a GroupStream, collected: records in completion order, each
+        handed to `on_record` as soon as it exists (so a stopped run keeps them)."""
         n = n_samples or self.cfg.rollout.n_samples
-        work = [s.with_repeat(r) for s in samples for r in range(n)]
+        total = n * len(samples)
         result = RolloutResult()
-        stop_reason: list[str] = []
-        it = iter(work)
-        started = 0
         t0 = time.monotonic()
         self.lag.start()
 
@@ -154,43 +153,27 @@ class RolloutEngine:
                 if inspect.isawaitable(r):
                     await r
 
-        async def worker() -> None:
-            nonlocal started
-            for sample in it:
-                async with self._slots:
-                    if stop_reason:
-                        return
-                    started += 1
-                    try:
-                        rec = await self._run_episode(sample, step)
-                    except AllServersDownError as e:
-                        if not stop_reason:
-                            stop_reason.append(str(e))
-                        await emit(self._error_record(sample, e, step, 0.0))
-                        return
-                await emit(rec)
-
-        n_workers = max(1, min(self.cfg.rollout.max_concurrency, len(work)))
-        workers = [asyncio.create_task(worker(), name=f"episode-worker-{i}") for i in range(n_workers)]
-        progress_task = asyncio.create_task(self._progress(result, len(work), t0)) if self.progress else None
+        stream = GroupStream(self, step=step, on_episode=emit, error_record_on_stop=True)
+        progress_task = asyncio.create_task(self._progress(result, total, t0)) if self.progress else None
         try:
-            await asyncio.gather(*workers)
+            for i, s in enumerate(samples):
+                stream.submit(s, n, key=i)
+            for _ in samples:
+                await stream.next()
         finally:
-            for w in workers:
-                w.cancel()
+            await stream.close()
             if progress_task is not None:
                 progress_task.cancel()
                 await asyncio.gather(progress_task, return_exceptions=True)
             await self.lag.stop()
         wall = time.monotonic() - t0
         result.summary = summarize(result.records, n, wall)
-        result.summary["not_started"] = len(work) - started
+        result.summary["not_started"] = total - len(result.records)
         result.summary.update(self.lag.gauges())
         result.summary.update({k: v for k, v in self.sm.gauges().items() if k.count("/") == 1})
-        if stop_reason:
-            result.stopped = stop_reason[0]
+        result.stopped = stream.stopped
         if self.progress:
-            self._print_progress(result, len(work), t0, final=True)
+            self._print_progress(result, total, t0, final=True)
         return result
 
     async def _run_episode(self, sample: Sample, step: int | None) -> EpisodeRecord:
@@ -275,14 +258,21 @@ class RolloutEngine:
 class GroupStream:
     """GRPO groups in flight; each submitted group comes out of `next()` exactly once.
 
-    Each group runs its episodes concurrently (each holding an engine slot); it comes out complete
-    when its last episode ends, or cancelled (`cancel`, `cancel_all`, or every server down). Records
-    of a cancelled group are dropped, its episodes counted. All methods run on the engine's loop.
+    Each group runs its episodes concurrently (each holding an engine slot, taken in submission order);
+    it comes out complete when its last episode ends, or cancelled (`cancel`, `cancel_all`, or every
+    server down). Records of a cancelled group are dropped, its episodes counted. Groups are keyed by
+    their uid unless `submit` is given a key. `on_episode` sees every record as it is made; with
+    `error_record_on_stop` the episode that found every server down ends as an error record (the eval
+    path) rather than cancelling its group. All methods run on the engine's loop.
     """
 
-    def __init__(self, engine: RolloutEngine, *, step: int | None = None):
+    def __init__(self, engine: RolloutEngine, *, step: int | None = None,
+                 on_episode: Callable[[EpisodeRecord], Awaitable[None]] | None = None,
+                 error_record_on_stop: bool = False):
         self.engine = engine
         self.step = step
+        self.on_episode = on_episode
+        self.error_record_on_stop = error_record_on_stop
         self._tasks: dict[int, asyncio.Task] = {}
         self._samples: dict[int, Sample] = {}
         self._versions: dict[int, int | None] = {}
@@ -310,9 +300,10 @@ class GroupStream:
         started yet). Its tokens are of this version or newer."""
         return self._started.get(uid)
 
-    def submit(self, sample: Sample, n: int) -> None:
-        """Start a group of `n` episodes of `sample` (its `group_uid` must be new in this stream)."""
-        uid = sample.group_uid
+    def submit(self, sample: Sample, n: int, *, key: int | None = None) -> None:
+        """Start a group of `n` episodes of `sample`, keyed by `key` (default its `group_uid`; a key must
+        be new in this stream)."""
+        uid = sample.group_uid if key is None else key
         if uid in self._tasks:
             raise ValueError(f"group {uid} is already in this stream")
         if self.stopped:
@@ -320,7 +311,7 @@ class GroupStream:
         self._samples[uid] = sample
         self._sizes[uid] = n
         self._versions[uid] = self.engine.sm.expected_version
-        self._tasks[uid] = asyncio.create_task(self._group(sample, n), name=f"group-{uid}")
+        self._tasks[uid] = asyncio.create_task(self._group(uid, sample, n), name=f"group-{uid}")
         self.counts["submitted"] += 1
 
     def cancel(self, uid: int, reason: str) -> bool:
@@ -355,9 +346,9 @@ class GroupStream:
     async def close(self) -> None:
         await self.cancel_all("stream closed")
 
-    async def _group(self, sample: Sample, n: int) -> None:
-        uid = sample.group_uid
-        eps = [asyncio.create_task(self._episode(sample.with_repeat(r)), name=f"episode-{uid}-{r}") for r in range(n)]
+    async def _group(self, uid: int, sample: Sample, n: int) -> None:
+        eps = [asyncio.create_task(self._episode(uid, sample.with_repeat(r)), name=f"episode-{uid}-{r}")
+               for r in range(n)]
         outcome: GroupOutcome
         try:
             records = await asyncio.gather(*eps)
@@ -375,15 +366,22 @@ class GroupStream:
         self._started.pop(uid, None)
         self._done.put_nowait(outcome)
 
-    async def _episode(self, sample: Sample) -> EpisodeRecord:
+    async def _episode(self, uid: int, sample: Sample) -> EpisodeRecord:
         async with self.engine._slots:
-            self._started.setdefault(sample.group_uid, self.engine.sm.expected_version)
+            if self.stopped:  # every server went down while this one waited for a slot: never started
+                raise asyncio.CancelledError
+            self._started.setdefault(uid, self.engine.sm.expected_version)
             try:
-                return await self.engine._run_episode(sample, self.step)
+                rec = await self.engine._run_episode(sample, self.step)
             except AllServersDownError as e:
                 if not self.stopped:
                     self.stopped = str(e)
-                    for uid in list(self._tasks):  # every server is gone: nothing left can finish
-                        if uid != sample.group_uid:
-                            self.cancel(uid, f"every server went down: {e}")
-                raise asyncio.CancelledError from e
+                    for other in list(self._tasks):  # every server is gone: nothing left can finish
+                        if other != uid:
+                            self.cancel(other, f"every server went down: {e}")
+                if not self.error_record_on_stop:
+                    raise asyncio.CancelledError from e
+                rec = self.engine._error_record(sample, e, self.step, 0.0)
+        if self.on_episode is not None:
+            await self.on_episode(rec)
+        return rec

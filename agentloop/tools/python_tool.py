@@ -1,4 +1,4 @@
-"""The built-in `python` tool: runs the model's code in the sandbox (see sandbox.py)."""
+"""The built-in `python` tool: runs the model's code in the sandbox (agentloop.tools.sandbox)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from agentloop.tools.sandbox import SandboxLimits, loop_semaphore, run_python
 class PythonTool(BaseTool):
     """Executes a Python program in a fresh sandbox and returns what it printed.
 
-    Each call is a new process (no state carries over between calls). Row kwargs may set `timeout_s`
-    (capped by the config's value).
+    Each call is a new sandbox (no state carries over between calls); everything a call started is gone
+    when it returns, so `release` has nothing left to clean. Row kwargs may set `timeout_s` (capped by the
+    config's value). Metrics per call: wall_s, cpu_s, reason_<reason>, isolated (0 when the sandbox runs
+    unisolated, see `tools.python.allow_unisolated`), oom_kills.
     """
 
     name = "python"
@@ -38,6 +40,7 @@ class PythonTool(BaseTool):
         async with loop_semaphore("python_tool", self.config.python.max_concurrent):
             res = await run_python(arguments["code"], limits)
         instance["runs"] += 1
-        metrics = {"wall_s": res.wall_s, "cpu_s": res.cpu_s, f"reason_{res.reason}": 1.0}
+        metrics = {"wall_s": res.wall_s, "cpu_s": res.cpu_s, f"reason_{res.reason}": 1.0,
+                   "isolated": float(res.backend != "none"), "oom_kills": float(res.oom_kills)}
         error = None if res.reason == "ok" else res.reason
         return ToolResponse(text=res.summary(limits), metrics=metrics, error=error)

@@ -58,6 +58,7 @@ from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
 from agentloop.rollout.engine import GroupOutcome, RolloutEngine, RolloutResult
 from agentloop.rollout.scorer import Scorer
 from agentloop.server_manager import ServerManager, parse_version
+from agentloop.tools.sandbox import require_isolation
 from agentloop.train.cursor import DataCursor
 from agentloop.train.learner_process import LearnerProcess
 from agentloop.train.mailbox import MailboxClient, MailboxError, UpdateResult
@@ -535,6 +536,8 @@ def resolve_learner_defaults(cfg: Config) -> None:
 def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
     from agentloop.rollout.run import load_plugins
 
+    # rows may bring the python tool or the code reward: refuse unisolated model code up front
+    require_isolation(cfg.tools.python, "agentloop train")
     load_plugins(cfg)
     resolve_learner_defaults(cfg)
     run_dir = make_run_dir(cfg)

@@ -5,6 +5,8 @@ A leaf of the config tree (`tools.python` extends SandboxLimits): imports nothin
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -18,23 +20,31 @@ class SandboxLimits(BaseModel):
     cpu_s: int = Field(default=5, ge=1)
     """CPU-time limit per process (RLIMIT_CPU)."""
     memory_limit_mb: int = Field(default=512, ge=32)
-    """Address-space limit per process (RLIMIT_AS), in MiB."""
+    """Memory limit in MiB: of the whole run's process tree (cgroup, where the host allows one) and of the
+    address space of each process (RLIMIT_AS)."""
     max_processes: int = Field(default=16, ge=1)
-    """Process/thread limit of the run's uid (RLIMIT_NPROC)."""
+    """Processes/threads of the run (cgroup pids.max where available, and RLIMIT_NPROC of its uid)."""
     max_file_mb: int = Field(default=16, ge=1)
     """Largest file the program may write (RLIMIT_FSIZE), in MiB."""
     disk_limit_mb: int = Field(default=32, ge=1)
-    """Size of the work dir's tmpfs (with mount namespaces), in MiB."""
+    """Size of each private tmpfs (the work dir, /tmp, /dev/shm), in MiB."""
     max_output_bytes: int = Field(default=16384, ge=256)
     """Bytes kept per stream (stdout, stderr); more stops the program and marks the output truncated."""
     isolate: bool = True
-    """Use namespaces and a private uid when running as root (off: rlimits and fallbacks only; as root the
-    program then runs as root, so turn it off only for debugging)."""
+    """Run in an isolating backend (namespaces, a minimal root, a private uid). Off: rlimits only, and as
+    root the program then runs as root; for debugging only."""
+    backend: Literal["auto", "builtin", "bwrap"] = "auto"
+    """Isolation backend: bwrap (bubblewrap, root or not), builtin (our namespace launcher, needs root), or
+    auto (bwrap when it works here, else builtin as root, else no isolation with a loud warning)."""
+    allow_unisolated: bool = False
+    """Let `agentloop train` run model code when no backend can isolate it (not root and no working bwrap):
+    the code then runs as the trainer's user with rlimits only."""
+    max_concurrent_starts: int = Field(default=4, ge=1)
+    """Sandboxes being set up at once in this process (namespaces, mounts, interpreter start); more wait."""
     uid_base: int = Field(default=2_000_000_000, ge=1000)
     """First uid handed to sandboxed runs (as root); a run gets uid_base + (pid % 10000) * 1000 + slot."""
     python: str | None = None
-    """Interpreter for the program; None picks one every uid can execute."""
-
+    """Interpreter for the program; None: the running one (its installation is bound read-only)."""
 
 
 class SandboxResult(BaseModel):
@@ -60,8 +70,17 @@ class SandboxResult(BaseModel):
     """Wall time of the run."""
     cpu_s: float = 0.0
     """CPU seconds of the program and the children it waited for."""
+    backend: str = "none"
+    """Backend that ran it: bwrap, builtin, or none (no isolation)."""
     isolation: list[str] = Field(default_factory=list)
-    """Isolation that was in place: net_namespace, mount_namespace, pid_namespace, uid, or fallbacks."""
+    """Isolation that was in place (net/mount/pid/ipc/uts namespaces, minimal_root, uid, no_new_privs), or
+    socket_preamble and unisolated without a backend."""
+    limits_applied: list[str] = Field(default_factory=list)
+    """Limits that were in place: cgroup_v2_memory/pids, cgroup_v1_memory/pids, rlimit_*, tmpfs_size."""
+    oom_kills: int = 0
+    """Processes of the run the kernel's OOM killer stopped inside the run's memory cgroup."""
+    memory_peak_mb: float | None = None
+    """Peak memory of the whole run (cgroup), in MiB; None without a memory cgroup."""
 
     def summary(self, limits: SandboxLimits) -> str:
         """Text for the model: what happened, then the output."""
@@ -70,7 +89,8 @@ class SandboxResult(BaseModel):
             "error": f"exit code {self.exit_code}",
             "timeout": f"timeout after {limits.timeout_s:g}s",
             "cpu_limit": f"killed: CPU time limit ({limits.cpu_s}s)",
-            "memory_limit": f"killed: memory limit ({limits.memory_limit_mb} MB)",
+            "memory_limit": f"killed: memory limit ({limits.memory_limit_mb} MB, "
+                            f"{' + '.join(a for a in self.limits_applied if 'memory' in a or a == 'rlimit_as') or 'rlimit_as'})",
             "file_size_limit": f"killed: file size limit ({limits.max_file_mb} MB)",
             "output_limit": f"output truncated at {limits.max_output_bytes} bytes; program stopped",
             "killed": f"killed by signal {self.signal}",
@@ -84,3 +104,5 @@ class SandboxResult(BaseModel):
         if self.truncated and self.reason != "output_limit":
             parts.append("[output truncated]")
         return "\n".join(parts)
+
+
