@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 from numbers import Real
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,34 @@ class RewardFn(Protocol):
 
 RewardCallable = Callable[..., Any]
 """What the registry stores: any callable with the RewardFn signature."""
+
+SolutionView = Literal["loop", "response", "prompt_response"]
+"""Which text a reward function receives as `solution_str` (see the module docstring)."""
+
+SOLUTION_VIEWS: tuple[str, ...] = get_args(SolutionView)
+
+F = TypeVar("F", bound=RewardCallable)
+
+
+def solution_view(view: SolutionView) -> Callable[[F], F]:
+    """Decorator: mark a reward function as written for `view` (stored as `fn.solution_view`)."""
+    if view not in SOLUTION_VIEWS:
+        raise RewardError(f"solution view must be one of {list(SOLUTION_VIEWS)}, got {view!r}")
+
+    def mark(fn: F) -> F:
+        fn.solution_view = view  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def view_of(fn: RewardCallable) -> SolutionView:
+    """The text `fn` was written for: its `solution_view` mark, else "loop"."""
+    view = getattr(fn, "solution_view", "loop")
+    if view not in SOLUTION_VIEWS:
+        raise RewardError(f"reward {getattr(fn, '__qualname__', repr(fn))} has solution_view {view!r}; "
+                          f"expected one of {list(SOLUTION_VIEWS)}")
+    return view
 
 
 class RewardResult(BaseModel):
