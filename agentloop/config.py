@@ -143,6 +143,9 @@ class DataConfig(Section):
     """Use only the first N rows."""
     prompt_key: str = "prompt"
     """Column holding the chat messages."""
+    apply_chat_template: bool = True
+    """False: the prompt is the row's single message's text, tokenized as is (no chat template), as
+    TinyZero does: its countdown prompts carry their own `Assistant:` / `<|im_start|>` markup."""
 
 
 class RolloutConfig(Section):

@@ -21,8 +21,16 @@ class PythonToolConfig(SandboxLimits):
 
 
 class SearchToolConfig(_Section):
+    url: str | None = None
+    """A retrieval service speaking Search-R1's API (POST {queries, topk, return_scores} to this URL, e.g.
+    http://127.0.0.1:8000/retrieve: Search-R1's e5/BM25 servers or `agentloop retriever serve`).
+    None: BM25 over `corpus_path` in this process."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one request to the retrieval service (all attempts together)."""
+    max_attempts: int = Field(default=3, ge=1)
+    """Attempts per request on connection errors and HTTP 5xx (a 4xx is not retried)."""
     corpus_path: str | None = None
-    """JSONL corpus of {id, title, text}; None uses the bundled demo corpus."""
+    """JSONL corpus of {id, title, text} or Search-R1's {id, contents}; None uses the bundled demo corpus."""
     top_k: int = Field(default=3, ge=1, le=50)
     """Passages returned per query (the model may ask for fewer)."""
     max_passage_chars: int = Field(default=600, ge=50)
