@@ -44,6 +44,9 @@ class SearchToolConfig(_Section):
 class ToolsConfig(_Section):
     names: list[str] = Field(default_factory=list)
     """Tools every episode gets; a row's `tools_kwargs` keys add more (verl style)."""
+    verl_tool_config: str | None = None
+    """verl's tool config YAML (its `multi_turn.tool_config_path`): each `class_name` (a class with verl's
+    tool API) is loaded and offered under its schema's function name (agentloop.tools.verl_tools)."""
     parser: str = "hermes"
     """Registered tool-call parser (hermes, llama3_json, qwen3_coder, or a plugin's)."""
     max_turns: int = Field(default=8, ge=1)
