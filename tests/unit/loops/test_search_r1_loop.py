@@ -108,3 +108,16 @@ def test_raw_prompt_mode(kind):
     sample = Sample(index=0, data_source="nq", messages=[{"role": "user", "content": "Answer: Assistant:"}])
     out = asyncio.run(loop.run(sample, SamplingParams(max_new_tokens=16)))
     assert out.prompt_ids == list(tok.encode("Answer: Assistant:", add_special_tokens=False))
+
+
+def test_raw_prompt_refuses_tools_and_several_messages():
+    from agentloop.errors import ConfigError
+    from tests.unit.loops.test_tool_loop import make_loop, sample
+
+    tok = get_tokenizer("test")
+    loop = make_loop(tok, StopRecordingServer(tok, []))
+    loop.config.data.apply_chat_template = False
+    with pytest.raises(ConfigError, match="cannot be offered"):
+        asyncio.run(loop.run(sample(tools_kwargs={"calculator": {}}), SamplingParams(max_new_tokens=8)))
+    with pytest.raises(ConfigError, match="exactly one text message, got 2 messages"):
+        asyncio.run(loop.run(sample(), SamplingParams(max_new_tokens=8)))
