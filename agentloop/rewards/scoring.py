@@ -7,6 +7,17 @@ A reward function has verl's signature:
 It is called by keyword, as verl does (see `call_reward` for the fallbacks). A dict return
 holds "score" plus extra info (numbers, strings, bools or None), which ends up
 in the episode record's `reward_info`.
+
+What `solution_str` holds differs between the frameworks users come from, so a reward says which text
+it was written for (`solution_view`; the scorer builds that text from the episode's tokens):
+
+    loop             the loop's own response text (special tokens kept): our rewards
+    response         the response decoded without special tokens: verl's reward manager (verl's
+                     data sources and custom `compute_score` files)
+    prompt_response  prompt + response decoded, special tokens kept: TinyZero's and Search-R1's
+                     reward managers (their countdown / qa_em rewards split on the prompt's text)
+
+A loop that sets `extra["solution_str"]` overrides the view: that text is scored.
 """
 
 from __future__ import annotations

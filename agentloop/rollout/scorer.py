@@ -61,9 +61,13 @@ class Scorer:
 def solution_text(out: AgentLoopOutput, tokenizer: Any, view: SolutionView = "loop") -> str:
     """The text a reward sees (agentloop.rewards.scoring explains the views).
 
-    loop: the loop's `solution_str`/`response_text` if given, else the decoded response; response: the
-    response decoded without special tokens (verl); prompt_response: prompt + response decoded with special
-    tokens (TinyZero, Search-R1)."""
+    A loop that sets `extra["solution_str"]` has said what to score: that text, whatever the view. Else
+    loop: the loop's `response_text` if given, else the decoded response; response: the response decoded
+    without special tokens (verl); prompt_response: prompt + response decoded with special tokens
+    (TinyZero, Search-R1)."""
+    explicit = out.extra.get("solution_str")
+    if isinstance(explicit, str):
+        return explicit
     if view == "response":
         return tokenizer.decode(out.response_ids, skip_special_tokens=True)
     if view == "prompt_response":

@@ -41,6 +41,9 @@ def test_each_name_gets_its_frameworks_text(tok):
     assert ours == "LOOP TEXT"
     score, _ = asyncio.run(scorer.score(_sample("countdown", {"target": 24, "numbers": [2, 3, 4]}), tz))
     assert score == 1.0  # TinyZero's rule finds "Assistant:" in the prompt, the answer on the last line
+    # a loop that names its solution text is scored on it, whatever the view
+    out.extra["solution_str"] = "#### 24"
+    assert scorer.solution_text(_sample("openai/gsm8k", "24"), out, tok) == "#### 24"
 
 
 def test_verl_custom_reward_file_works_unchanged(tmp_path, tok):
