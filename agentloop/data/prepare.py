@@ -49,22 +49,33 @@ Row = dict[str, Any]
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[str, Row]]:
-    """(where, row) of each row of a .jsonl or .parquet file, rows as plain Python."""
+    """(where, row) of each row of a .jsonl / .json (JSON lines or one array) / .parquet file, as plain Python."""
     p = Path(path)
     suffix = p.suffix.lower()
     if not p.is_file():
         raise DataError(f"{p}: input file does not exist")
-    if suffix in JSONL_SUFFIXES or suffix == ".json":
+    if suffix == ".json" and p.read_text(encoding="utf-8-sig").lstrip().startswith("["):
+        reader = _json_array_rows  # a JSON array (`datasets`' to_json writes JSON lines, also as .json)
+    elif suffix in JSONL_SUFFIXES or suffix == ".json":
         reader = read_jsonl_rows
     elif suffix in PARQUET_SUFFIXES:
         reader = read_parquet_rows
     else:
-        raise DataError(f"{p}: unknown extension {p.suffix!r}; expected .jsonl or .parquet")
+        raise DataError(f"{p}: unknown extension {p.suffix!r}; expected .jsonl, .json or .parquet")
     for where, row in reader(p):
         row = to_plain(row)
         if not isinstance(row, dict):
             raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
         yield where, row
+
+
+def _json_array_rows(p: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        rows = json.loads(p.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    for i, row in enumerate(rows):
+        yield f"{p} item {i}", row
 
 
 def write_rows(rows: list[Row], path: str | Path) -> Path:

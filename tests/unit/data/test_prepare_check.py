@@ -63,6 +63,9 @@ def test_prepare_gsm8k_names_the_bad_row(tmp_path):
         prepare_gsm8k(read_rows(src))
     with pytest.raises(DataError, match=r"g.jsonl:1: missing 'answer'"):
         prepare_gsm8k([(f"{src}:1", {"question": "q"})])
+    arr = tmp_path / "g.json"  # one JSON array works too
+    arr.write_text(json.dumps(GSM8K_ROWS))
+    assert [r["reward_model"]["ground_truth"] for r in prepare_gsm8k(read_rows(arr))] == ["72", "14400"]
 
 
 def test_prepare_countdown_from_files_and_generator(tmp_path):
