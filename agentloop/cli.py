@@ -1,6 +1,9 @@
 """The `agentloop` command line.
 
     agentloop rollout [--config F] [--server-url URL]... [--model DIR] [--loop NAME] [--plugin P]... [key.sub=value]...
+                  no --config: the main job (agentloop/presets/rollout_main.yaml): the shipped warm-started
+                  tiny model on the calculator set with the calculator tool; --random-model: the random
+                  tiny model on the arithmetic set (the plumbing run, configs/rollout.yaml)
     agentloop train [--config F] [same flags]   GRPO (embedded default: agentloop/presets/train_tiny.yaml)
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
@@ -8,6 +11,11 @@
                           learner tok/s and MFU on synthetic batches
     agentloop bench train --run-dir RUN | --full [--full-steps 3]   time split of a train step
     agentloop trace RECORDS.jsonl [--out FILE.html] [--limit N] [--model DIR]   episodes as an HTML page
+    agentloop data prepare RECIPE (--input FILE | --generate N | --builtin SET) [--output FILE] ...
+                                   the data set's own files -> verl rows (gsm8k, countdown, search_r1, code)
+    agentloop data check FILE      what is wrong with a verl .jsonl/.parquet file, row by row (exit 1 on errors)
+    agentloop retriever serve --corpus FILE [--port 8000] [--topk 3]
+                                   BM25 over a JSONL corpus behind Search-R1's /retrieve API
     agentloop build-model          build (or find) the cached tiny model and print its directory
     agentloop loops                list registered agent loops (plugins included)
     agentloop config [...]         print the resolved config without running anything
@@ -62,6 +70,12 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 TRAIN_PRESET = "presets/train_tiny.yaml"
+ROLLOUT_PRESET = "presets/rollout_main.yaml"
+
+
+def uses_main_preset(args: argparse.Namespace) -> bool:
+    """`agentloop rollout` without --config and without --random-model runs the main job's preset."""
+    return args.command == "rollout" and args.config is None and not getattr(args, "random_model", False)
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -72,7 +86,15 @@ def build_config(args: argparse.Namespace) -> Any:
     config = args.config
     if config is None and (args.command == "train" or getattr(args, "full", False)):
         config = Path(__file__).parent / TRAIN_PRESET  # the embedded default run
+    main_job = uses_main_preset(args)
+    if main_job:
+        config = Path(__file__).parent / ROLLOUT_PRESET
     cfg = load_config(config, list(args.overrides) + _flag_overrides(args))
+    if main_job and cfg.model.path is None:
+        # The preset's model: the tiny model's shipped supervised warm start (installed into the cache once).
+        from agentloop.models.warmstart import ensure_warm_model
+
+        cfg.model.path = str(ensure_warm_model())
     if args.plugin:
         cfg.plugins = list(cfg.plugins) + list(args.plugin)
     return cfg
@@ -84,6 +106,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="eval-only rollouts: run the loop on a data set, write records + summary")
     _common(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--random-model", action="store_true",
+                   help="without --config: the random tiny model on the arithmetic set, single turn (the plumbing "
+                        "run) instead of the main job (warm-started model, calculator tool)")
     t = sub.add_parser("train", help="GRPO training: rollouts -> FSDP learner -> weight push, step after step")
     _common(t)
     t.add_argument("--quiet", action="store_true")
@@ -134,6 +159,17 @@ def make_parser() -> argparse.ArgumentParser:
     # the shared flags that build_config reads; --run-dir and --model mean something else here
     btr.set_defaults(server_url=[], model=None, loop=None, data=None, n_samples=None, seed=None, run_dir=None,
                      plugin=[])
+    _data_parsers(sub)
+    rv = sub.add_parser("retriever", help="retrieval service for Search-R1-style search")
+    rvsub = rv.add_subparsers(dest="retriever", required=True)
+    rs = rvsub.add_parser("serve", help="BM25 over a JSONL corpus behind Search-R1's POST /retrieve API")
+    rs.add_argument("--corpus", required=True, metavar="FILE",
+                    help="JSONL: {id, title, text} or Search-R1's {id, contents} rows")
+    rs.add_argument("--host", default="127.0.0.1")
+    rs.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    rs.add_argument("--topk", type=int, default=3, help="passages per query when a request names none")
+    rs.add_argument("--k1", type=float, default=1.2, help="BM25 term-frequency saturation")
+    rs.add_argument("--b", type=float, default=0.75, help="BM25 length normalisation")
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
     tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")
     tp.add_argument("records", metavar="RECORDS.jsonl")
@@ -145,6 +181,98 @@ def make_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("config", help="print the resolved config")
     _common(cp)
     return parser
+
+
+def _data_parsers(sub: Any) -> None:
+    d = sub.add_parser("data", help="prepare recipe data from the data sets' own files; check verl data files")
+    dsub = d.add_subparsers(dest="data", required=True)
+    pp = dsub.add_parser("prepare", help="the data set's own rows -> verl rows for a recipe")
+    pp.add_argument("recipe", choices=["gsm8k", "countdown", "search_r1", "code"])
+    src = pp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", metavar="FILE", help="the data set's own .parquet/.jsonl file")
+    src.add_argument("--generate", type=int, metavar="N", help="countdown: N puzzles from the built-in generator")
+    src.add_argument("--builtin", metavar="SET", help="code: a built-in set (code, code_stdio)")
+    pp.add_argument("--output", metavar="FILE",
+                    help="output .parquet/.jsonl (default data/<recipe>/<split>.parquet; .jsonl for code)")
+    pp.add_argument("--split", help="split name written to extra_info (default: test if the input's name "
+                                    "contains 'test', else train)")
+    pp.add_argument("--offset", type=int, default=0, metavar="N", help="skip the first N input rows")
+    pp.add_argument("--limit", type=int, metavar="N", help="convert at most N input rows")
+    pp.add_argument("--template", default="base", choices=["base", "qwen-instruct"],
+                    help="countdown: TinyZero's prompt template")
+    pp.add_argument("--seed", type=int, default=0, help="countdown --generate: generator seed")
+    pp.add_argument("--data-source", metavar="NAME",
+                    help="search_r1: data_source of every row (nq, hotpotqa, ...; default: the rows' own column)")
+    ck = dsub.add_parser("check", help="validate a verl .jsonl/.parquet file, row by row")
+    ck.add_argument("file", metavar="FILE")
+    ck.add_argument("--prompt-key", default="prompt", help="column holding the chat messages")
+    ck.add_argument("--max-problems", type=int, default=50, metavar="N", help="problems printed (0: all)")
+    ck.add_argument("--plugin", action="append", default=[], metavar="P",
+                    help="import first (registers rewards/tools the rows name); repeatable")
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from itertools import islice
+    from pathlib import Path
+
+    from agentloop.data import (
+        builtin_rows,
+        generate_countdown,
+        prepare,
+        read_rows,
+        write_rows,
+    )
+    from agentloop.data.prepare import code_rows_for_parquet
+
+    split = args.split or ("test" if args.input and "test" in Path(args.input).name.lower() else "train")
+    if args.generate is not None:
+        if args.recipe != "countdown":
+            raise ConfigError("--generate works for countdown only")
+        rows = generate_countdown(args.generate, seed=args.seed, split=split, template=args.template)
+    elif args.builtin is not None:
+        if args.recipe != "code":
+            raise ConfigError("--builtin works for code only (sets: code, code_stdio)")
+        rows = builtin_rows(args.builtin)
+    else:
+        stop = None if args.limit is None else args.offset + args.limit
+        source = islice(read_rows(args.input), args.offset, stop)
+        options: dict[str, Any] = {"split": split}
+        if args.recipe == "countdown":
+            options["template"] = args.template
+        if args.recipe == "search_r1":
+            options["data_source"] = args.data_source
+        rows = prepare(args.recipe, source, **options)
+    out = Path(args.output or f"data/{args.recipe}/{split}.{'jsonl' if args.recipe == 'code' else 'parquet'}")
+    if args.recipe == "code" and out.suffix.lower() in (".parquet", ".pq"):
+        rows = code_rows_for_parquet(rows)
+    write_rows(rows, out)
+    sources = sorted({r["data_source"] for r in rows})
+    print(f"agentloop data prepare {args.recipe}: wrote {len(rows)} rows to {out} (data_source {', '.join(sources)}, "
+          f"split {split})")
+    return 0
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    from agentloop.data import check_file, format_report
+    from agentloop.loops import load_plugin
+
+    for ref in args.plugin:
+        load_plugin(ref)
+    report = check_file(args.file, prompt_key=args.prompt_key)
+    for line in format_report(report, args.file, limit=args.max_problems or None):
+        print(line)
+    return 1 if report.errors else 0
+
+
+def _retriever_serve(args: argparse.Namespace) -> int:
+    from agentloop.tools.retriever_server import serve
+    from agentloop.util.runtime import run_async
+
+    try:
+        run_async(serve(args.corpus, host=args.host, port=args.port, topk=args.topk, k1=args.k1, b=args.b))
+    except OSError as e:
+        raise ConfigError(f"cannot serve on {args.host}:{args.port}: {e}") from None
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +300,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             load_plugin(ref)
         print("\n".join(list_agent_loops()))
         return 0
+    if args.command == "data":
+        return _data_prepare(args) if args.data == "prepare" else _data_check(args)
+    if args.command == "retriever":
+        return _retriever_serve(args)
     if args.command == "trace":
         from agentloop.report.trace_html import write_trace_html
 

@@ -156,6 +156,9 @@ class DataConfig(Section):
     """Use only the first N rows."""
     prompt_key: str = "prompt"
     """Column holding the chat messages."""
+    apply_chat_template: bool = True
+    """False: the prompt is the row's single message's text, tokenized as is (no chat template), as
+    TinyZero does: its countdown prompts carry their own `Assistant:` / `<|im_start|>` markup."""
 
 
 class RolloutConfig(Section):
@@ -178,6 +181,10 @@ class RewardConfig(Section):
     """`path/to/file.py:function` or `package.module:function` scoring every episode instead of the registry."""
     default: str | None = None
     """Registered reward used for data sources that have no reward of their own (None: error)."""
+    custom_view: Literal["response", "prompt_response", "loop"] = "response"
+    """The text `custom` receives as solution_str. response: the response decoded without special tokens
+    (what verl's reward manager passes a custom compute_score); prompt_response: prompt + response with
+    special tokens (TinyZero's and Search-R1's reward managers); loop: the loop's own response text."""
     code: CodeRewardConfig = Field(default_factory=CodeRewardConfig)
     """Code reward (agentloop/code): pass_rate or all_or_nothing, time limits."""
     tools: ToolRewardConfig = Field(default_factory=ToolRewardConfig)

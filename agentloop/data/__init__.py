@@ -4,7 +4,14 @@
 returning verl rows and call `register_dataset("name", fn)`; select it with
 `data.builtin=name`.
 
-May import: the vocabulary and util only.
+    loader.py      verl rows from JSONL/Parquet -> Samples (and back)
+    builtin.py     the built-in set registry and the arithmetic / countdown / gsm8k_mini sets
+    tasks.py       the calculator task; tool_demos.py the code, code_stdio and search_qa sets
+    templates.py   verl's / TinyZero's / Search-R1's prompt formats, verbatim
+    prepare.py     `agentloop data prepare`: the data sets' own files -> verl rows, per recipe
+    check.py       `agentloop data check`: what is wrong with a verl file, row by row
+
+May import: the vocabulary and util; check.py also reads the reward and tool registries (lower layers).
 """
 
 from agentloop.data import (
@@ -17,6 +24,13 @@ from agentloop.data.builtin import (
     list_datasets,
     register_dataset,
 )
+from agentloop.data.check import (
+    CheckReport,
+    Problem,
+    check_file,
+    check_rows,
+    format_report,
+)
 from agentloop.data.loader import (
     load_file,
     load_samples,
@@ -26,17 +40,34 @@ from agentloop.data.loader import (
     to_plain,
     write_jsonl,
 )
+from agentloop.data.prepare import (
+    PREPARERS,
+    generate_countdown,
+    prepare,
+    read_rows,
+    write_rows,
+)
 
 __all__ = [
+    "PREPARERS",
+    "CheckReport",
+    "Problem",
     "builtin_rows",
+    "check_file",
+    "check_rows",
+    "format_report",
+    "generate_countdown",
     "get_dataset",
     "list_datasets",
     "load_file",
     "load_samples",
     "parse_row",
+    "prepare",
+    "read_rows",
     "register_dataset",
     "rows_to_samples",
     "sample_to_row",
     "to_plain",
     "write_jsonl",
+    "write_rows",
 ]

@@ -9,7 +9,10 @@ into Samples through the same validation as files. To add one:
 Sets:
     arithmetic   64 small +, -, * questions; answer as `#### <number>` (data_source agentloop/arithmetic)
     countdown    64 TinyZero-style puzzles, solvable by construction; answer in <answer>...</answer>
-    gsm8k_mini   16 grade-school word problems written for this project (data_source openai/gsm8k)
+                 (data_source agentloop/countdown: our lenient scoring; TinyZero's prompt and scoring come
+                 from `agentloop data prepare countdown`, data_source countdown)
+    gsm8k_mini   16 grade-school word problems written for this project (data_source agentloop/gsm8k: our
+                 lenient scoring; verl's rows come from `agentloop data prepare gsm8k`, openai/gsm8k)
 
 Randomness comes from a tiny LCG of our own, so the sets are identical on every Python version.
 """
@@ -158,7 +161,7 @@ def countdown_rows(n: int = 64, seed: int = 2) -> list[dict[str, Any]]:
         )
         messages = [{"role": "system", "content": COUNTDOWN_SYSTEM}, {"role": "user", "content": question}]
         gt = {"target": target, "numbers": numbers}
-        rows.append(_row("countdown", messages, gt, i, reference_solution=solution))
+        rows.append(_row("agentloop/countdown", messages, gt, i, reference_solution=solution))
     return rows
 
 
@@ -214,7 +217,7 @@ def gsm8k_mini_rows() -> list[dict[str, Any]]:
     rows = []
     for i, (question, solution, answer) in enumerate(_GSM8K_MINI):
         messages = [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}]
-        rows.append(_row("openai/gsm8k", messages, str(answer), i, question=question,
+        rows.append(_row("agentloop/gsm8k", messages, str(answer), i, question=question,
                          answer=f"{solution}\n#### {answer}"))
     return rows
 

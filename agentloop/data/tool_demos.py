@@ -3,6 +3,8 @@
     code        16 Python functions to write; rows enable the `python` tool; data_source `agentloop/code`;
                 scored by running the final ```python block against the tests in the same sandbox as the
                 tool (agentloop.rewards.code)
+    code_stdio  8 stdin/stdout programs to write (same tool and reward; ground truth {"tests": [{stdin, stdout}]},
+                which needs the code grader's stdin/stdout support)
     search_qa   16 questions answerable from the bundled corpus (agentloop/data/corpus_demo.jsonl); rows
                 enable the `search` tool; data_source `agentloop/search_qa`; scored by exact match of the
                 last <answer>...</answer> (agentloop.rewards.qa)
@@ -32,6 +34,12 @@ CODE_SYSTEM = (
     "You are a careful Python programmer. You can run code with the python tool to test your solution "
     "(each run starts fresh; print what you want to see). When you are done, give the final solution as "
     "one ```python code block that defines the function."
+)
+
+CODE_STDIO_SYSTEM = (
+    "You are a careful Python programmer. You can run code with the python tool to test your solution "
+    "(each run starts fresh; print what you want to see). When you are done, give the final solution as "
+    "one ```python code block: a complete program that reads standard input and prints the answer."
 )
 
 SEARCH_QA_SYSTEM = (
@@ -173,6 +181,52 @@ def code_rows() -> list[dict[str, Any]]:
     return rows
 
 
+# (task, reference solution, [(stdin, stdout)]): whole programs reading stdin, for the stdin/stdout grader.
+STDIO_PROBLEMS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("The input is two integers a and b on one line. Print a + b.",
+     "a, b = map(int, input().split())\nprint(a + b)\n",
+     [("1 2\n", "3\n"), ("-5 5\n", "0\n"), ("1000000000 1000000000\n", "2000000000\n")]),
+    ("The first line holds n, the second n integers. Print their maximum.",
+     "input()\nprint(max(map(int, input().split())))\n",
+     [("3\n1 9 4\n", "9\n"), ("1\n-7\n", "-7\n"), ("4\n2 2 2 2\n", "2\n")]),
+    ("The input is one line of text. Print it reversed.",
+     "print(input()[::-1])\n",
+     [("abc\n", "cba\n"), ("racecar\n", "racecar\n"), ("a b\n", "b a\n")]),
+    ("The input is an integer n (1 <= n <= 20). Print n! (n factorial).",
+     "import math\nprint(math.factorial(int(input())))\n",
+     [("1\n", "1\n"), ("5\n", "120\n"), ("20\n", "2432902008176640000\n")]),
+    ("The input is an integer n. Print YES if it is even, NO otherwise.",
+     "print('YES' if int(input()) % 2 == 0 else 'NO')\n",
+     [("4\n", "YES\n"), ("7\n", "NO\n"), ("0\n", "YES\n")]),
+    ("The input is a line of words. Print how many words it has.",
+     "print(len(input().split()))\n",
+     [("the quick brown fox\n", "4\n"), ("one\n", "1\n"), ("  spaced   out  \n", "2\n")]),
+    ("The first line holds n; each of the next n lines holds one integer. Print their sum.",
+     "n = int(input())\nprint(sum(int(input()) for _ in range(n)))\n",
+     [("3\n1\n2\n3\n", "6\n"), ("1\n-4\n", "-4\n"), ("2\n10\n-10\n", "0\n")]),
+    ("The input is an integer n >= 1. Print the numbers 1 to n, one per line.",
+     "for i in range(1, int(input()) + 1):\n    print(i)\n",
+     [("3\n", "1\n2\n3\n"), ("1\n", "1\n")]),
+]
+
+
+def code_stdio_rows() -> list[dict[str, Any]]:
+    """The stdin/stdout problems as verl rows; each enables the `python` tool."""
+    rows = []
+    for i, (task, solution, tests) in enumerate(STDIO_PROBLEMS):
+        question = f"Write a Python program. {task} Read the input from standard input and print the answer."
+        rows.append({
+            "data_source": CODE_SOURCE,
+            "prompt": [{"role": "system", "content": CODE_STDIO_SYSTEM}, {"role": "user", "content": question}],
+            "ability": "code",
+            "reward_model": {"style": "rule",
+                             "ground_truth": {"tests": [{"stdin": a, "stdout": b} for a, b in tests]}},
+            "extra_info": {"split": "test", "index": i, "question": question,
+                           "reference_solution": solution, "tools_kwargs": {"python": {}}},
+        })
+    return rows
+
+
 # (question, answer aliases, id of the corpus passage that answers it)
 SEARCH_QA: list[tuple[str, list[str], str]] = [
     ("What is the capital city of Australia?", ["Canberra"], "demo-003"),
@@ -210,4 +264,5 @@ def search_qa_rows() -> list[dict[str, Any]]:
 
 
 register_dataset("code", code_rows)
+register_dataset("code_stdio", code_stdio_rows)
 register_dataset("search_qa", search_qa_rows)

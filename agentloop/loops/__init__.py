@@ -5,12 +5,14 @@ and register it with `register_agent_loop("name", Cls)` (or as a class decorator
     base.py         AgentLoopBase (generate, chat template) and TrajectoryBuilder (ids, mask, logprobs)
     single_turn.py  single_turn_agent_loop
     tool_agent.py   tool_agent_loop: generate, parse calls, run tools, append their tokens, repeat
+    search_r1.py    search_r1_agent_loop: Search-R1's <search>/<information>/<answer> protocol
     template.py     chat-template diffing (append-only check, the turn suffix)
 
 May import: the vocabulary, util, the client (server_manager) and tools.
 """
 
 from agentloop.loops import (
+           search_r1,  # noqa: F401 - registers search_r1_agent_loop
            single_turn,  # noqa: F401 - registers single_turn_agent_loop
            tool_agent,  # noqa: F401 - registers tool_agent_loop
 )

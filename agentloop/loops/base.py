@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from agentloop.config import Config, SamplingParams, derive_seed
-from agentloop.errors import PromptTooLongError
+from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.records import AgentLoopOutput, Sample, TokenOutput
 
 if TYPE_CHECKING:
@@ -125,9 +125,22 @@ class AgentLoopBase(ABC):
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the chat template applied to `messages` (done once per episode)."""
+        """Token ids of the chat template applied to `messages` (done once per episode); with
+        `data.apply_chat_template` false, the one message's text as is (TinyZero's raw prompts)."""
+        if not self.config.data.apply_chat_template:
+            return self.raw_prompt_ids(messages, tools)
         text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def raw_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        """The single message's text tokenized without a template (no special tokens added)."""
+        if tools:
+            raise ConfigError("data.apply_chat_template=false sends the row's text as is, so the tools "
+                              f"{[t['function']['name'] for t in tools]} cannot be offered; use the chat template")
+        if len(messages) != 1 or not isinstance(messages[0].get("content"), str):
+            raise ConfigError(f"data.apply_chat_template=false needs a prompt of exactly one text message, "
+                              f"got {len(messages)} messages")
+        return list(self.tokenizer.encode(messages[0]["content"], add_special_tokens=False))
 
     def budget(self, prompt_len: int, wanted: int) -> int:
         """New-token budget for a call: `wanted`, capped by what is left of the context.

@@ -7,6 +7,11 @@ returning a float (or bool) or a dict with "score" plus extra info. To add one:
     register_reward("my/data_source", compute_score)
 
 or point `reward.custom` at `path/to/file.py:function` (see `load_custom_reward`).
+
+Under verl's, TinyZero's and Search-R1's data_source names the built-ins score exactly as those projects
+do (verl_gsm8k, verl_math, tinyzero_countdown, search_r1_qa); our lenient readings are registered under
+`agentloop/...` names (the table is in builtin.py). A reward marks the text it expects with
+`@solution_view("loop" | "response" | "prompt_response")` (scoring.py).
 `score_episode` calls a function and normalizes its result into a `RewardResult`;
 anything unusable is a RewardError naming the data source.
 
@@ -34,11 +39,15 @@ from agentloop.rewards.registry import (
     register_reward,
 )
 from agentloop.rewards.scoring import (
+    SOLUTION_VIEWS,
     RewardFn,
     RewardResult,
+    SolutionView,
     call_reward,
     normalize_reward,
     score_episode,
+    solution_view,
+    view_of,
 )
 
 register_builtin_rewards()
@@ -48,6 +57,8 @@ __all__ = [
     "COUNTDOWN_FORMAT_SCORE",
     "RewardFn",
     "RewardResult",
+    "SOLUTION_VIEWS",
+    "SolutionView",
     "boxed_math_score",
     "call_reward",
     "countdown_score",
@@ -66,4 +77,6 @@ __all__ = [
     "register_builtin_rewards",
     "register_reward",
     "score_episode",
+    "solution_view",
+    "view_of",
 ]

@@ -7,6 +7,17 @@ A reward function has verl's signature:
 It is called by keyword, as verl does (see `call_reward` for the fallbacks). A dict return
 holds "score" plus extra info (numbers, strings, bools or None), which ends up
 in the episode record's `reward_info`.
+
+What `solution_str` holds differs between the frameworks users come from, so a reward says which text
+it was written for (`solution_view`; the scorer builds that text from the episode's tokens):
+
+    loop             the loop's own response text (special tokens kept): our rewards
+    response         the response decoded without special tokens: verl's reward manager (verl's
+                     data sources and custom `compute_score` files)
+    prompt_response  prompt + response decoded, special tokens kept: TinyZero's and Search-R1's
+                     reward managers (their countdown / qa_em rewards split on the prompt's text)
+
+A loop that sets `extra["solution_str"]` overrides the view: that text is scored.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 from numbers import Real
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +42,34 @@ class RewardFn(Protocol):
 
 RewardCallable = Callable[..., Any]
 """What the registry stores: any callable with the RewardFn signature."""
+
+SolutionView = Literal["loop", "response", "prompt_response"]
+"""Which text a reward function receives as `solution_str` (see the module docstring)."""
+
+SOLUTION_VIEWS: tuple[str, ...] = get_args(SolutionView)
+
+F = TypeVar("F", bound=RewardCallable)
+
+
+def solution_view(view: SolutionView) -> Callable[[F], F]:
+    """Decorator: mark a reward function as written for `view` (stored as `fn.solution_view`)."""
+    if view not in SOLUTION_VIEWS:
+        raise RewardError(f"solution view must be one of {list(SOLUTION_VIEWS)}, got {view!r}")
+
+    def mark(fn: F) -> F:
+        fn.solution_view = view  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def view_of(fn: RewardCallable) -> SolutionView:
+    """The text `fn` was written for: its `solution_view` mark, else "loop"."""
+    view = getattr(fn, "solution_view", "loop")
+    if view not in SOLUTION_VIEWS:
+        raise RewardError(f"reward {getattr(fn, '__qualname__', repr(fn))} has solution_view {view!r}; "
+                          f"expected one of {list(SOLUTION_VIEWS)}")
+    return view
 
 
 class RewardResult(BaseModel):

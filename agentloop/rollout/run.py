@@ -18,8 +18,13 @@ from agentloop.util.runtime import run_async
 
 
 def load_plugins(cfg: Config) -> None:
+    """Import the configured plugins, then register the tools of a verl tool config file if one is given."""
     for ref in cfg.plugins:
         load_plugin(ref)
+    if cfg.tools.verl_tool_config:
+        from agentloop.tools.verl_tools import load_verl_tool_config
+
+        load_verl_tool_config(cfg.tools.verl_tool_config)
 
 
 async def rollout_async(cfg: Config, run_dir: Path, progress: bool = True) -> RolloutResult:

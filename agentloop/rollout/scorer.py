@@ -10,7 +10,13 @@ from agentloop.errors import RewardError
 from agentloop.records import AgentLoopOutput, Sample
 from agentloop.rewards import get_reward, load_custom_reward, score_episode
 from agentloop.rewards.code import make_code_reward
-from agentloop.rewards.scoring import call_reward, normalize_reward
+from agentloop.rewards.scoring import (
+    RewardCallable,
+    SolutionView,
+    call_reward,
+    normalize_reward,
+    view_of,
+)
 
 
 class Scorer:
@@ -22,9 +28,21 @@ class Scorer:
         # Rewards that need run config (sandbox limits) are built here rather than registered globally.
         self.overrides = {"agentloop/code": make_code_reward(cfg.reward.code, limits=cfg.tools.python)}
 
+    def reward_fn(self, sample: Sample) -> RewardCallable:
+        """The function that scores `sample`: the custom one, a run-configured one, or the registry's."""
+        return (self.custom or self.overrides.get(sample.data_source)
+                or get_reward(sample.data_source, default=self.cfg.reward.default))
+
+    def view(self, sample: Sample) -> SolutionView:
+        """Which text the sample's reward expects (reward.custom_view for a custom reward)."""
+        return self.cfg.reward.custom_view if self.custom else view_of(self.reward_fn(sample))
+
+    def solution_text(self, sample: Sample, out: AgentLoopOutput, tokenizer: Any) -> str:
+        """The solution_str for `sample`'s reward, built from the episode's tokens as its framework does."""
+        return solution_text(out, tokenizer, self.view(sample))
+
     async def score(self, sample: Sample, solution_str: str) -> tuple[float, dict[str, Any]]:
-        fn = (self.custom or self.overrides.get(sample.data_source)
-              or get_reward(sample.data_source, default=self.cfg.reward.default))
+        fn = self.reward_fn(sample)
         if inspect.iscoroutinefunction(fn):
             try:
                 raw = await call_reward(fn, {"data_source": sample.data_source, "solution_str": solution_str,
@@ -40,8 +58,20 @@ class Scorer:
 
 
 
-def solution_text(out: AgentLoopOutput, tokenizer: Any) -> str:
-    """The text a reward sees: the loop's `solution_str`/`response_text` if given, else the decoded response."""
+def solution_text(out: AgentLoopOutput, tokenizer: Any, view: SolutionView = "loop") -> str:
+    """The text a reward sees (agentloop.rewards.scoring explains the views).
+
+    A loop that sets `extra["solution_str"]` has said what to score: that text, whatever the view. Else
+    loop: the loop's `response_text` if given, else the decoded response; response: the response decoded
+    without special tokens (verl); prompt_response: prompt + response decoded with special tokens
+    (TinyZero, Search-R1)."""
+    explicit = out.extra.get("solution_str")
+    if isinstance(explicit, str):
+        return explicit
+    if view == "response":
+        return tokenizer.decode(out.response_ids, skip_special_tokens=True)
+    if view == "prompt_response":
+        return tokenizer.decode(list(out.prompt_ids) + list(out.response_ids), skip_special_tokens=False)
     for key in ("solution_str", "response_text"):
         v = out.extra.get(key)
         if isinstance(v, str):

@@ -21,8 +21,16 @@ class PythonToolConfig(SandboxLimits):
 
 
 class SearchToolConfig(_Section):
+    url: str | None = None
+    """A retrieval service speaking Search-R1's API (POST {queries, topk, return_scores} to this URL, e.g.
+    http://127.0.0.1:8000/retrieve: Search-R1's e5/BM25 servers or `agentloop retriever serve`).
+    None: BM25 over `corpus_path` in this process."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one request to the retrieval service (all attempts together)."""
+    max_attempts: int = Field(default=3, ge=1)
+    """Attempts per request on connection errors and HTTP 5xx (a 4xx is not retried)."""
     corpus_path: str | None = None
-    """JSONL corpus of {id, title, text}; None uses the bundled demo corpus."""
+    """JSONL corpus of {id, title, text} or Search-R1's {id, contents}; None uses the bundled demo corpus."""
     top_k: int = Field(default=3, ge=1, le=50)
     """Passages returned per query (the model may ask for fewer)."""
     max_passage_chars: int = Field(default=600, ge=50)
@@ -36,6 +44,9 @@ class SearchToolConfig(_Section):
 class ToolsConfig(_Section):
     names: list[str] = Field(default_factory=list)
     """Tools every episode gets; a row's `tools_kwargs` keys add more (verl style)."""
+    verl_tool_config: str | None = None
+    """verl's tool config YAML (its `multi_turn.tool_config_path`): each `class_name` (a class with verl's
+    tool API) is loaded and offered under its schema's function name (agentloop.tools.verl_tools)."""
     parser: str = "hermes"
     """Registered tool-call parser (hermes, llama3_json, qwen3_coder, or a plugin's)."""
     max_turns: int = Field(default=8, ge=1)

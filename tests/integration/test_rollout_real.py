@@ -125,15 +125,51 @@ def test_custom_loop_and_reward_plugins(sglang_server, tiny_model_path, tmp_path
 
 
 def test_cli_rollout_against_running_server(sglang_server, tiny_model_path, tmp_path):
+    # --random-model: the plumbing run (random tiny model, single turn, arithmetic set), one flag away
     run_dir = tmp_path / "cli-run"
     proc = subprocess.run(
-        [sys.executable, "-m", "agentloop.cli", "rollout", "--server-url", sglang_server.url, "--run-dir", str(run_dir),
-         "-n", "2", "data.max_samples=4", "sampling.max_new_tokens=8"],
+        [sys.executable, "-m", "agentloop.cli", "rollout", "--random-model", "--server-url", sglang_server.url,
+         "--run-dir", str(run_dir), "-n", "2", "data.max_samples=4", "sampling.max_new_tokens=8"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "mean_reward" in proc.stdout and "pass@2" in proc.stdout
     assert "episodes" in proc.stderr  # progress line
-    assert len((run_dir / "records.jsonl").read_text().splitlines()) == 8
+    recs = list(read_records(run_dir / "records.jsonl"))
+    assert len(recs) == 8 and {r.loop for r in recs} == {"single_turn_agent_loop"}
+    assert {r.data_source for r in recs} == {"agentloop/arithmetic"}
+
+
+async def _load_weights(url: str, path: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": "x"},
+                          timeout=aiohttp.ClientTimeout(total=120)) as r:
+            assert (await r.json())["success"]
+
+
+def test_cli_main_job_shows_tool_use_with_a_meaningful_reward(sglang_server, tiny_model_path, tmp_path):
+    """The no-flag `agentloop rollout`: the warm-started model calls the calculator and is scored by it."""
+    from agentloop.models.warmstart import ensure_warm_model
+
+    run_dir = tmp_path / "main-job"
+    asyncio.run(_load_weights(sglang_server.url, str(ensure_warm_model())))  # the server now serves the warm model
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "agentloop.cli", "rollout", "--server-url", sglang_server.url,
+             "--run-dir", str(run_dir), "data.max_samples=16", "-n", "2"],
+            capture_output=True, text=True, timeout=300)
+    finally:
+        asyncio.run(_load_weights(sglang_server.url, str(tiny_model_path)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = list(read_records(run_dir / "records.jsonl"))
+    assert len(recs) == 32 and not [r for r in recs if r.error]
+    assert {r.loop for r in recs} == {"tool_agent_loop"} and {r.data_source for r in recs} == {"agentloop/calculator"}
+    called = [r for r in recs if r.metrics.get("tool_calls", 0) > 0]
+    assert len(called) >= 4  # about half call the tool at temperature 1
+    assert all(r.num_turns >= 2 and 0 in r.response_mask for r in called)  # multi-turn, tool tokens masked
+    assert sum(r.reward for r in called) / len(called) > 0.5  # and answer right when they do
+    assert (run_dir / "traces.html").read_text().count("tool calls of turn") >= 1
 
 
 def test_cli_bad_config_is_a_clear_error():

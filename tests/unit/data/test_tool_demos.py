@@ -94,3 +94,29 @@ def test_bench_tools_measure_and_forced_parser():
     assert "calculator" in format_report({"sets": {"calculator": {"tool_agent_loop": m}}})
     parsed = forced_parser("calculator")("anything at all")
     assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", FORCED_CALLS["calculator"])]
+
+
+def test_code_stdio_set_scores_with_a_stdin_grader():
+    """The stdin/stdout problems (`code_stdio`, and `agentloop data prepare code` rows with stdin tests): their
+    reference programs score 1.0, a wrong program less. Skipped while the code grader does not take
+    `{"tests": [{"stdin", "stdout"}]}` yet (the grader's rewrite adds it)."""
+    samples = _samples("code_stdio")
+    assert len(samples) == 8 and all(s.data_source == CODE_SOURCE and s.tools_kwargs == {"python": {}} for s in samples)
+    assert all(set(t) == {"stdin", "stdout"} for s in samples for t in s.ground_truth["tests"])
+    fn = get_reward(CODE_SOURCE)
+
+    def answer(code: str) -> str:
+        return f"Done.\n```python\n{code}```"
+
+    try:
+        asyncio.run(fn(CODE_SOURCE, answer(samples[0].extra_info["reference_solution"]), samples[0].ground_truth))
+    except ValueError as e:
+        pytest.skip(f"the code grader does not take stdin/stdout tests yet: {e}")
+
+    async def all_of(answers):
+        return await asyncio.gather(*(fn(CODE_SOURCE, a, s.ground_truth, s.extra_info) for a, s in zip(answers, samples)))
+
+    for s, r in zip(samples, asyncio.run(all_of([answer(s.extra_info["reference_solution"]) for s in samples]))):
+        assert r["score"] == 1.0, (s.messages[-1]["content"], r)
+    for s, r in zip(samples, asyncio.run(all_of([answer("print(42)\n") for _ in samples]))):
+        assert r["score"] < 1.0, (s.messages[-1]["content"], r)

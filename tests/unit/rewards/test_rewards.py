@@ -39,8 +39,11 @@ def test_all_is_true():
 def test_builtins_registered_for_their_data_sources():
     known = set(list_rewards())
     for ds in ["agentloop/arithmetic", "openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
-               "math", "countdown", "exact_match"]:
+               "HuggingFaceH4/MATH-500", "agentloop/math", "countdown", "agentloop/countdown", "exact_match",
+               "nq", "hotpotqa", "searchR1_nq", "agentloop/gsm8k"]:
         assert ds in known
+    # verl routes "math" to its DAPO reward, which we do not have: not ours to claim
+    assert "math" not in known
     assert get_reward("openai/gsm8k")("openai/gsm8k", "#### 3", "3") == 1.0
     assert get_reward("lighteval/MATH")("lighteval/MATH", r"\boxed{3}", "3") == 1.0
 
@@ -329,7 +332,7 @@ def test_countdown_format_score_is_configurable(monkeypatch):
     assert make_countdown_reward(0.0)("countdown", wrong, GT) == 0.0
     assert make_countdown_reward(0.0, score=2.0)("countdown", "<answer>2*3*4</answer>", GT) == 2.0
     monkeypatch.setattr(countdown_mod, "COUNTDOWN_FORMAT_SCORE", 0.25)
-    assert get_reward("countdown")("countdown", wrong, GT) == 0.25
+    assert get_reward("agentloop/countdown")("agentloop/countdown", wrong, GT) == 0.25
 
 
 def test_score_episode_calling_conventions():
