@@ -13,10 +13,8 @@ import pytest
 from agentloop import ServerManager
 from agentloop.config import SamplingParams, load_config
 from agentloop.errors import FatalRequestError
-from agentloop.loops import get_agent_loop
 from agentloop.models.loading import load_tokenizer_for
-from agentloop.records import Sample, read_records
-from agentloop.rollout.engine import RolloutEngine
+from agentloop.records import read_records
 from agentloop.rollout.run import run_rollout
 
 pytestmark = pytest.mark.sglang

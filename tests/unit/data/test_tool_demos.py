@@ -98,8 +98,7 @@ def test_bench_tools_measure_and_forced_parser():
 
 def test_code_stdio_set_scores_with_a_stdin_grader():
     """The stdin/stdout problems (`code_stdio`, and `agentloop data prepare code` rows with stdin tests): their
-    reference programs score 1.0, a wrong program less. Skipped while the code grader does not take
-    `{"tests": [{"stdin", "stdout"}]}` yet (the grader's rewrite adds it)."""
+    reference programs score 1.0, a wrong program less."""
     samples = _samples("code_stdio")
     assert len(samples) == 8 and all(s.data_source == CODE_SOURCE and s.tools_kwargs == {"python": {}} for s in samples)
     assert all(set(t) == {"stdin", "stdout"} for s in samples for t in s.ground_truth["tests"])
@@ -107,11 +106,6 @@ def test_code_stdio_set_scores_with_a_stdin_grader():
 
     def answer(code: str) -> str:
         return f"Done.\n```python\n{code}```"
-
-    try:
-        asyncio.run(fn(CODE_SOURCE, answer(samples[0].extra_info["reference_solution"]), samples[0].ground_truth))
-    except ValueError as e:
-        pytest.skip(f"the code grader does not take stdin/stdout tests yet: {e}")
 
     async def all_of(answers):
         return await asyncio.gather(*(fn(CODE_SOURCE, a, s.ground_truth, s.extra_info) for a, s in zip(answers, samples)))

@@ -26,8 +26,8 @@ def test_public_api():
     for name in tools_pkg.__all__:
         assert hasattr(tools_pkg, name), name
     from agentloop.tools import BaseTool as B  # noqa: F401
-    from agentloop.tools import ToolResponse as R
-    from agentloop.tools import register_tool as r
+    from agentloop.tools import ToolResponse as R  # noqa: F401
+    from agentloop.tools import register_tool as r  # noqa: F401
 
 
 def test_config_fields_documented():
