@@ -13,6 +13,8 @@ Workloads: `single` (single_turn_agent_loop, fixed-length responses, ignore_eos)
 
     python benchmarks/async_bench.py --model DIR --workload longtail --runs sync,async:1,async:2 \\
         --device cuda --server-gpu 0 --learner-gpus 1 --weight-sync nccl --out OUT
+Several parts on one server (the server is started once): --part NAME:WORKLOAD:TOKENS:LEARNER_GPUS:SYNC:RUNS,
+    --part longtail_2gpu:longtail:128:1:nccl:sync+async:1+async:2 --part single_2gpu:single:512:1:nccl:sync+async:1
 CPU smoke (tiny model): python benchmarks/async_bench.py --device cpu --runs sync,async:1 --steps 3 ...
 """
 
@@ -34,13 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "benchmarks" / "async_plugin.py"
 
 
-def workload_overrides(a: argparse.Namespace) -> list[str]:
+def workload_overrides(workload: str, tokens: int) -> list[str]:
     common = ["sampling.ignore_eos=true", "sampling.temperature=1.0"]
-    if a.workload == "single":
-        return common + ["rollout.loop=single_turn_agent_loop", f"sampling.max_new_tokens={a.tokens}"]
+    if workload == "single":
+        return common + ["rollout.loop=single_turn_agent_loop", f"sampling.max_new_tokens={tokens}"]
     return common + ["rollout.loop=longtail_tool_loop", f"plugins=[\"{PLUGIN}\"]", "tools.names=[calculator]",
-                     f"tools.max_tokens_per_turn={a.tokens}", f"sampling.max_new_tokens={a.tokens}",
-                     f"tools.max_response_tokens={a.tokens * 20 + 1024}"]
+                     f"tools.max_tokens_per_turn={tokens}", f"sampling.max_new_tokens={tokens}",
+                     f"tools.max_response_tokens={tokens * 20 + 1024}"]
 
 
 def run_overrides(spec: str) -> list[str]:
@@ -110,6 +112,43 @@ def table(name: str, res: dict, card: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def run_part(a: argparse.Namespace, url: str, model: Path, name: str, workload: str, tokens: int, learner_gpus: str,
+             weight_sync: str, runs: list[str], t_start: float, out: Path) -> dict[str, dict]:
+    """The runs of one part against the running server (base weights restored after each)."""
+    learner = ["learner.device=cuda", "learner.dtype=bfloat16", f"learner.weight_sync={weight_sync}"] \
+        if a.device == "cuda" else ["learner.device=cpu"]
+    if learner_gpus:
+        learner.append(f"learner.gpus=[{learner_gpus}]")
+    base = ["train.val_every=0", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
+            f"rollout.n_samples={a.samples}", "learner.checkpoint_every=null", "train.tensorboard=false",
+            "rollout.max_concurrency=4096", "learner.lr=1e-6", "algo.kl_coef=0.001",
+            *workload_overrides(workload, tokens), *learner, *a.extra]
+    results: dict[str, dict] = {}
+    for spec in runs:
+        if time.monotonic() - t_start > a.budget_s:
+            results[spec] = {"error": "budget spent before this run"}
+            continue
+        run_dir = out / "runs" / f"{name}_{spec.replace(':', '')}"
+        cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
+               "--model", str(model), "--run-dir", str(run_dir), "train.resume=false", *base, *run_overrides(spec)]
+        if a.device == "cuda":
+            cmd[4:4] = ["--config", str(ROOT / "configs" / "train_qwen_gpu.yaml")]
+        t0 = time.monotonic()
+        left = max(60.0, a.budget_s + 120 - (time.monotonic() - t_start))
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, timeout=left, capture_output=True, text=True)
+            (out / f"{name}_{spec.replace(':', '')}.log").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-600:]}")
+            results[spec] = summarise(run_dir, skip=1)
+        except Exception as e:  # noqa: BLE001 - one failed run must not lose the others' figures
+            results[spec] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{time.monotonic() - t_start:.0f}s] {name} {spec}: {time.monotonic() - t0:.0f}s "
+              f"{json.dumps(results[spec])[:400]}", flush=True)
+        asyncio.run(_post(url, "/update_weights_from_disk", {"model_path": str(model), "weight_version": "0"}))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="model dir or a modelzoo shape name (default: tiny on cpu)")
@@ -128,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs past this")
     p.add_argument("--card", default="")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--part", action="append", default=[],
+                   help="NAME:WORKLOAD:TOKENS:LEARNER_GPUS:SYNC:RUNS (runs joined by +); repeatable, one server")
     p.add_argument("--set", dest="extra", action="append", default=[], help="more KEY=VALUE overrides")
     a = p.parse_args(argv)
     t_start = time.monotonic()
@@ -152,48 +193,23 @@ def main(argv: list[str] | None = None) -> int:
                          mem_fraction_static=a.mem_fraction if a.device == "cuda" else None,
                          max_total_tokens=None if a.device == "cuda" else 32768, extra_args=server_args,
                          log_path=out / f"{name}_server.log", startup_timeout_s=400).start()
-    results: dict[str, dict] = {}
     try:
         asyncio.run(server.wait_ready())
         print(f"[{time.monotonic() - t_start:.0f}s] server up at {server.url} ({model})", flush=True)
-        learner = ["learner.device=cuda", "learner.dtype=bfloat16", f"learner.weight_sync={a.weight_sync}"] \
-            if a.device == "cuda" else ["learner.device=cpu"]
-        if a.learner_gpus:
-            learner.append(f"learner.gpus=[{a.learner_gpus}]")
-        base = ["train.val_every=0", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
-                f"rollout.n_samples={a.samples}", "learner.checkpoint_every=null", "train.tensorboard=false",
-                "rollout.max_concurrency=4096", "learner.lr=1e-6", "algo.kl_coef=0.001",
-                *workload_overrides(a), *learner, *a.extra]
-        for spec in a.runs.split(","):
-            if time.monotonic() - t_start > a.budget_s:
-                results[spec] = {"error": "budget spent before this run"}
-                continue
-            run_dir = out / "runs" / f"{name}_{spec.replace(':', '')}"
-            cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", server.url,
-                   "--model", str(model), "--run-dir", str(run_dir), "train.resume=false", *base, *run_overrides(spec)]
-            if a.device == "cuda":
-                cmd += ["--config", str(ROOT / "configs" / "train_qwen_gpu.yaml")]
-            t0 = time.monotonic()
-            left = max(60.0, a.budget_s + 120 - (time.monotonic() - t_start))
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, timeout=left, capture_output=True, text=True)
-                (out / f"{name}_{spec.replace(':', '')}.log").write_text(proc.stdout + proc.stderr)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-600:]}")
-                results[spec] = summarise(run_dir, skip=1)
-            except Exception as e:  # noqa: BLE001 - one failed run must not lose the others' figures
-                results[spec] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"[{time.monotonic() - t_start:.0f}s] {spec}: {time.monotonic() - t0:.0f}s "
-                  f"{json.dumps(results[spec])[:400]}", flush=True)
-            asyncio.run(_post(server.url, "/update_weights_from_disk", {"model_path": str(model), "weight_version": "0"}))
+        parts = [pt.split(":", 5) for pt in a.part] or [[name, a.workload, str(a.tokens), a.learner_gpus,
+                                                           a.weight_sync, a.runs.replace(",", "+")]]
+        for pname, workload, tokens, lgpus, wsync, runs in parts:
+            results = run_part(a, server.url, model, pname, workload, int(tokens), lgpus, wsync, runs.split("+"),
+                               t_start, out)
+            report = {"name": pname, "card": card, "model": str(model), "args": vars(a), "workload": workload,
+                      "learner_gpus": lgpus, "weight_sync": wsync, "results": results}
+            (out / f"async_{pname}.json").write_text(json.dumps(report, indent=1))
+            md = table(f"{pname}: {workload}, {a.prompts} prompts x {a.samples}, {tokens} tokens, server GPU "
+                       f"{a.server_gpu}, learner GPUs {lgpus or 'all'}, sync {wsync}", results, card or a.device)
+            (out / f"async_{pname}.md").write_text(md)
+            print(md, flush=True)
     finally:
         server.stop()
-    report = {"name": name, "card": card, "model": str(model), "args": vars(a), "results": results}
-    (out / f"async_{name}.json").write_text(json.dumps(report, indent=1))
-    md = table(f"{name}: {a.workload}, {a.prompts} prompts x {a.samples}, {a.tokens} tokens, learner GPUs "
-               f"{a.learner_gpus or 'all'}, sync {a.weight_sync}", results, card or a.device)
-    (out / f"async_{name}.md").write_text(md)
-    print(md, flush=True)
     return 0
 
 
