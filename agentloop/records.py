@@ -103,7 +103,10 @@ class AgentLoopOutput(Record):
     error: str | None = None
     """`Type: message` when the episode failed; the record is still kept and counted."""
     weight_versions: list[str | None] = Field(default_factory=list)
-    """Weight version that produced each turn (one entry per generate call)."""
+    """Weight version that produced each turn (one entry per generate call; the version at its end)."""
+    token_versions: list[int | None] = Field(default_factory=list)
+    """Per response token: the weight version that sampled it (None for mask-0 tokens and where the
+    server did not say). Empty when unknown (e.g. records of older runs)."""
     extra: dict[str, Any] = Field(default_factory=dict)
     """Anything else JSON-serializable a loop wants to keep (e.g. decoded text, tool trace)."""
 
@@ -121,6 +124,12 @@ class AgentLoopOutput(Record):
         for i, (m, lp) in enumerate(zip(self.response_mask, self.response_logprobs)):
             if m == 0 and lp != 0.0:
                 raise ValueError(f"response_logprobs[{i}] = {lp!r} for a mask-0 token; it must be 0.0")
+        if self.token_versions:
+            if len(self.token_versions) != n:
+                raise ValueError(f"token_versions ({len(self.token_versions)}) and response_ids ({n}) differ in length")
+            for i, (m, v) in enumerate(zip(self.response_mask, self.token_versions)):
+                if m == 0 and v is not None:
+                    raise ValueError(f"token_versions[{i}] = {v!r} for a mask-0 token; it must be None")
         return self
 
     @property
