@@ -7,7 +7,8 @@ Map:
     block_mask         FlexAttention BlockMask, built a band of query blocks at a time (never L x L at once)
     FLEX_IMPL, register_flex   "agentloop_flex": a HF attention function that calls compiled flex_attention
                        with the block mask given as the model's attention_mask, and refuses anything else
-    resolve_attention  learner.attention "auto" -> flex (CUDA with FlexAttention) or padded
+    resolve_attention  learner.attention "auto" -> flex (CUDA, FlexAttention, head dim >= 16 and a power of 2),
+                       packed_sdpa (other CUDA models) or padded (CPU)
     model_attn_impl, check_attn_impl   which HF implementation a layout needs, and the check that the
                        loaded model runs it (an eager model would add a boolean mask as numbers)
 
@@ -93,7 +94,9 @@ def block_mask(doc: torch.Tensor, seg: torch.Tensor, *, block: int = BLOCK, band
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    # automatic dynamic shapes: one static compile, a dynamic one once a second row length shows up
+    # (learner.pad_packed_to_budget keeps every row one length: static kernels only)
+    return torch.compile(flex_attention)
 
 
 def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -127,15 +130,26 @@ def flex_available() -> bool:
     return True
 
 
-def resolve_attention(setting: str, device_type: str) -> str:
-    """learner.attention after "auto": flex on CUDA when FlexAttention exists, padded otherwise."""
+def flex_head_dim_ok(head_dim: int | None) -> bool:
+    """FlexAttention's Triton kernels need a head dimension of at least 16 and a power of two."""
+    return head_dim is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def resolve_attention(setting: str, device_type: str, head_dim: int | None = 64) -> str:
+    """learner.attention after "auto": flex on CUDA when FlexAttention exists and supports the model's head
+    dimension, packed_sdpa on CUDA otherwise, padded on CPU."""
     if setting == "auto":
-        return "flex" if device_type == "cuda" and flex_available() else "padded"
+        if device_type != "cuda":
+            return "padded"
+        return "flex" if flex_available() and flex_head_dim_ok(head_dim) else "packed_sdpa"
     if setting == "flex":
         if device_type != "cuda":
             raise ValueError("learner.attention=flex needs a CUDA learner (FlexAttention has no CPU backward)")
         if not flex_available():
             raise ValueError(f"learner.attention=flex: this torch ({torch.__version__}) has no FlexAttention")
+        if not flex_head_dim_ok(head_dim):
+            raise ValueError(f"learner.attention=flex: the model's head dimension {head_dim} is not supported by "
+                             "FlexAttention (>= 16 and a power of two); use packed_sdpa")
     return setting
 
 
@@ -167,4 +181,5 @@ def mask_for(mb: Any, attention: str, device: torch.device) -> Any:
 
 
 __all__ = ["BLOCK", "FLEX_IMPL", "allowed", "block_mask", "check_attn_impl", "dense_mask", "flex_available",
+           "flex_head_dim_ok",
            "mask_for", "model_attn_impl", "register_flex", "resolve_attention"]

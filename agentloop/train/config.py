@@ -142,17 +142,26 @@ class LearnerConfig(_Section):
     """Log-probabilities (and entropy) are computed from the final hidden states this many tokens at a
     time, the LM head's matmul included, and recomputed chunk by chunk in the backward pass, so no
     [tokens x vocabulary] float32 tensor ever exists (peak extra memory ~ 3 * chunk * vocab * 4 bytes)."""
+    fuse_logprob_head: bool = True
+    """On CUDA, each chunk's logprob/entropy math runs through torch.compile: one or two fused passes over
+    the chunk's logits instead of about eight elementwise ones (falls back to eager if compiling fails)."""
+    pad_packed_to_budget: bool = False
+    """Packed layouts: pad every micro-batch to exactly micro_batch_tokens, so every forward has one shape
+    (FlexAttention and compiled layers compile once, without dynamic shapes) at the cost of computing the
+    padding of the last micro-batches. False: pad each to a multiple of 128 only."""
     entropy_metric: bool = True
     """Compute the policy's entropy for the actor/entropy metric even when entropy_coef = 0 (one more
     pass over each chunk's logits in the loss pass, no gradient). False: only when entropy_coef > 0."""
     compile: bool = False
     """torch.compile each decoder layer (dynamic shapes; the first steps pay the compile time). The flex
     attention kernel is compiled either way."""
-    checkpoint_async: bool = True
-    """Write resumable checkpoints in the background (torch.distributed.checkpoint.async_save): training
+    checkpoint_async: Literal["auto", "on", "off"] = "auto"
+    """on: write resumable checkpoints in the background (torch.distributed.checkpoint.async_save): training
     waits only for the copy of the state to host memory, the files are written while the next steps run,
-    and the checkpoint is renamed into place (atomic, as a synchronous one) once complete. A kill before
-    that leaves the previous checkpoint the latest. False: the step waits for the whole save."""
+    and the checkpoint is renamed into place (atomic, as a synchronous one) as soon as it is complete. A
+    kill before that leaves the previous checkpoint the latest, so a resume may redo one step more than
+    with off. off: the step waits for the whole save (update.done of a checkpoint step follows it).
+    auto: on for a CUDA learner, off on CPU (where copy, write and training share the same cores)."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each step's batch."""
     mini_batches: int = Field(default=1, ge=1)
@@ -201,7 +210,7 @@ class LearnerConfig(_Section):
     """tensor/nccl: deadline of each call to a server, of the NCCL group's rendezvous and collectives,
     and of rank 0's wait for the orchestrator to pause the servers."""
 
-    @field_validator("share_prompt", mode="before")
+    @field_validator("share_prompt", "checkpoint_async", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
         # YAML reads a bare on/off as a boolean.

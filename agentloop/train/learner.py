@@ -172,7 +172,10 @@ class Learner:
         get_estimator(self.algo.estimator)  # an unknown name fails before the model loads
         self.model_path = Path(model_path)
         self.device_type = resolve_device(self.cfg)
-        self.attention = resolve_attention(self.cfg.attention, self.device_type)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        hc = self.hf_config
+        head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+        self.attention = resolve_attention(self.cfg.attention, self.device_type, head_dim)
         if self.attention == "flex":
             register_flex()
         self._owns_group = init_distributed(self.cfg, self.device_type)
@@ -189,7 +192,6 @@ class Learner:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.pad_id = self.hf_config.pad_token_id if isinstance(self.hf_config.pad_token_id, int) else 0
         self.mesh = init_device_mesh(self.device_type, (self.world,))
         self.notes: list[str] = []
@@ -259,6 +261,7 @@ class Learner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             model.requires_grad_(False)
+        layers = self._layers(model)  # before sharding renames their classes (FSDPQwen2DecoderLayer)
         model = self._shard(model, mixed=trainable and self.compute_dtype != torch.float32, trainable=trainable)
         model.to_empty(device=self.device)
         state = {} if src is None else {k: v.to(dtype) for k, v in src["state"].items()}
@@ -267,7 +270,7 @@ class Learner:
         extras = _bcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
         self._fill_extras(model, extras)
         if trainable and self.cfg.compile:
-            for layer in self._layers(model):
+            for layer in layers:
                 layer.compile()
         model.train(trainable)
         return model
@@ -324,10 +327,15 @@ class Learner:
         if share == "auto" and self.attention == "flex":
             share = "on"  # block-sparse: a shared row computes no masked pairs, so it never costs more
         packed = self.attention in ("flex", "packed_sdpa")
+        pad = 1
+        if packed and self.cfg.pad_packed_to_budget:
+            pad = self.cfg.micro_batch_tokens
+        elif self.attention == "flex":
+            pad = BLOCK
         return plan_micro_batches(eps, idxs, self.algo.loss_agg_mode, budget=self.cfg.micro_batch_tokens,
                                   rank=self.rank, world=self.world, pad_id=self.pad_id,
                                   share=share, cost=self.row_cost, layout="packed" if packed else "padded",
-                                  pad_multiple=BLOCK if self.attention == "flex" else 1)
+                                  pad_multiple=pad)
 
     def _reshard(self) -> None:
         """Free every FSDP2 unsharded parameter, so the next forward gathers them afresh."""
@@ -342,7 +350,8 @@ class Learner:
         head = self._heads[id(model)]
         mask = mask_for(mb, self.attention, self.device)
         with head.use(mb.targets, entropy=entropy, entropy_grad=entropy_grad, temperature=self.algo.temperature,
-                      chunk=self.cfg.logprob_chunk_tokens):
+                      chunk=self.cfg.logprob_chunk_tokens,
+                      fused=self.cfg.fuse_logprob_head and self.device_type == "cuda"):
             out = model(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, use_cache=False)
         res = out.logits
         return res[..., 0], (res[..., 1] if entropy else None)
@@ -765,6 +774,7 @@ def serve(
             box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
                             data_position=data_position, world_size=learner.world)
         waited_since = time.monotonic()
+        ckpt_written: float | None = None  # seconds the last background checkpoint took, until reported
         while True:
             msg: Any = None
             if box is not None:
@@ -783,6 +793,11 @@ def serve(
                     msg = ("wait",)
             msg = _bcast(msg, dev)
             if msg[0] == "wait":
+                # a background checkpoint goes into place as soon as its files are written, also while the
+                # learner waits for a batch (a run killed during long rollouts keeps it)
+                written = learner.checkpoint_written_s()
+                if written is not None:
+                    ckpt_written = written
                 time.sleep(cfg.poll_s)
                 continue
             if msg[0] == "stop":
@@ -809,12 +824,14 @@ def serve(
                     metrics["time/save_hf_s"] = time.perf_counter() - t
                 data_position = meta.get("data_position")
                 written = learner.checkpoint_written_s()
-                if written is not None:
-                    metrics["time/checkpoint_written_s"] = written
+                if written is not None or ckpt_written is not None:
+                    metrics["time/checkpoint_written_s"] = written if written is not None else ckpt_written
+                    ckpt_written = None
                 if ckpt_due:
                     t = time.perf_counter()  # the part of the save the step waits for
-                    learner.save_checkpoint(paths.checkpoints, data_position=data_position,
-                                            background=cfg.checkpoint_async)
+                    background = cfg.checkpoint_async == "on" or (cfg.checkpoint_async == "auto"
+                                                                   and learner.device_type == "cuda")
+                    learner.save_checkpoint(paths.checkpoints, data_position=data_position, background=background)
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
                 if syncer is not None:
                     metrics.update(_push_weights(learner, syncer, box, step, dev, cfg.weight_sync_timeout_s))

@@ -3,7 +3,7 @@
 Map:
     ChunkedLogprobs    autograd Function: final hidden states + LM head weight -> logprob of each target
                        (and the entropy), chunk by chunk; the backward pass recomputes each chunk's logits
-    chunked_logprobs   the functional entry
+    chunked_logprobs   the functional entry (fused=True: each chunk's math through torch.compile)
     LogprobHead        patches a HF causal LM's output layer so the model's own forward returns
                        [b, L, 2] = (logprob, entropy) instead of logits while a request is set (`use`)
 
@@ -30,10 +30,63 @@ from typing import Any, Iterator
 import torch
 
 
+def _fwd_chunk(z: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
+    """(logp, lse, entropy or None) of one chunk's logits z [c, V] (any float dtype; float32 math or wider)."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    z = z.to(acc) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    ent = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1) if want_entropy else None
+    return logp, lse, ent
+
+
+def _bwd_chunk(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
+               g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """d loss / d logits of one chunk, in the logits' dtype, from z [c, V] and the saved lse / entropy."""
+    acc = lse.dtype
+    logq = z.to(acc) / temperature - lse.unsqueeze(-1)
+    p = torch.exp(logq)
+    g = torch.zeros_like(p)
+    if g_logp is not None:
+        gl = g_logp.to(acc).unsqueeze(-1)
+        onehot = torch.arange(z.shape[-1], device=z.device).unsqueeze(0) == targets.unsqueeze(-1)
+        g = g + torch.where(onehot, gl, 0.0) - p * gl
+    if g_ent is not None:
+        g = g - p * (logq + ent.unsqueeze(-1)) * g_ent.to(acc).unsqueeze(-1)
+    return (g / temperature).to(z.dtype)
+
+
+class _Fused:
+    """torch.compile'd `_fwd_chunk` / `_bwd_chunk` (one or two fused passes over a chunk's logits instead of
+    ~8 elementwise ones); compiled on first use, and on any compile error the eager path is used from then on."""
+
+    fwd: Any = None
+    bwd: Any = None
+    failed: str | None = None
+
+    @classmethod
+    def call(cls, which: str, *args):
+        # plain tensors in (no autograd history: the Function's own backward is the gradient)
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if cls.failed is None:
+            try:
+                if cls.fwd is None:
+                    cls.fwd = torch.compile(_fwd_chunk, dynamic=None)
+                    cls.bwd = torch.compile(_bwd_chunk, dynamic=None)
+                return (cls.fwd if which == "fwd" else cls.bwd)(*args)
+            except Exception as e:  # noqa: BLE001 - a compiler failure must not stop training: eager is exact
+                cls.failed = f"{type(e).__name__}: {e}"
+                import warnings
+
+                warnings.warn(f"logprob head: torch.compile failed, using the eager path ({cls.failed[:300]})",
+                              RuntimeWarning, stacklevel=2)
+        return (_fwd_chunk if which == "fwd" else _bwd_chunk)(*args)
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, want_entropy: bool):
+                chunk: int, want_entropy: bool, fused: bool = False):
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32 math for bf16 models, as logits.float()
         logp = torch.empty(n, dtype=acc, device=hidden.device)
@@ -41,6 +94,13 @@ class ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(n if want_entropy else 0, dtype=acc, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
+            if fused:
+                lp_c, lse_c, ent_c = _Fused.call("fwd", hidden[s:e] @ weight.t(), targets[s:e], temperature,
+                                                 want_entropy)
+                logp[s:e], lse[s:e] = lp_c, lse_c
+                if want_entropy:
+                    ent[s:e] = ent_c
+                continue
             z = (hidden[s:e] @ weight.t()).to(acc)
             if temperature != 1.0:
                 z.div_(temperature)
@@ -53,7 +113,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 ent[s:e] = lse_c - pz
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
+        ctx.temperature, ctx.chunk, ctx.want_entropy, ctx.fused = temperature, chunk, want_entropy, fused
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return logp, ent, lse
@@ -64,7 +124,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         T, chunk = ctx.temperature, ctx.chunk
         use_ent = ctx.want_entropy and g_ent is not None
         if g_logp is None and not use_ent:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         n = hidden.shape[0]
         acc = lse.dtype
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -72,6 +132,14 @@ class ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             hc = hidden[s:e]
+            if ctx.fused:
+                gz = _Fused.call("bwd", hc @ weight.t(), targets[s:e], lse[s:e], ent[s:e] if use_ent else None,
+                                 None if g_logp is None else g_logp[s:e], g_ent[s:e] if use_ent else None, T)
+                if grad_h is not None:
+                    grad_h[s:e] = gz @ weight
+                if grad_w is not None:
+                    grad_w.add_((gz.t() @ hc).to(acc))
+                continue
             z = (hc @ weight.t()).to(acc)
             if T != 1.0:
                 z.div_(T)
@@ -93,13 +161,17 @@ class ChunkedLogprobs(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.add_((gz.t() @ hc).to(acc))
             del gz
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                     chunk: int = 2048, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprob [N], entropy [N] or None) of `targets` [N] under logits = hidden [N, H] @ weight [V, H]^T / T."""
-    logp, ent, _ = ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), bool(entropy))
+                     chunk: int = 2048, entropy: bool = False,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob [N], entropy [N] or None) of `targets` [N] under logits = hidden [N, H] @ weight [V, H]^T / T.
+
+    fused: each chunk's elementwise math through torch.compile (GPU), else eager with in-place buffers."""
+    logp, ent, _ = ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), bool(entropy),
+                                         bool(fused))
     return logp, (ent if entropy else None)
 
 
@@ -110,6 +182,7 @@ class _Request:
     entropy_grad: bool
     temperature: float
     chunk: int
+    fused: bool
 
 
 class LogprobHead:
@@ -137,7 +210,7 @@ class LogprobHead:
             if targets.numel() != b * L:
                 raise ValueError(f"logprob head: {targets.numel()} targets for {b}x{L} positions")
             logp, ent = chunked_logprobs(hidden.reshape(b * L, H), mod.weight, targets, temperature=req.temperature,
-                                         chunk=req.chunk, entropy=req.entropy)
+                                         chunk=req.chunk, entropy=req.entropy, fused=req.fused)
             if ent is None:
                 ent = torch.zeros_like(logp)
             elif not req.entropy_grad:
@@ -149,8 +222,8 @@ class LogprobHead:
 
     @contextlib.contextmanager
     def use(self, targets: torch.Tensor, *, entropy: bool, entropy_grad: bool, temperature: float,
-            chunk: int) -> Iterator[None]:
-        self.request = _Request(targets, entropy, entropy_grad, temperature, chunk)
+            chunk: int, fused: bool = False) -> Iterator[None]:
+        self.request = _Request(targets, entropy, entropy_grad, temperature, chunk, fused)
         try:
             yield
         finally:

@@ -117,11 +117,21 @@ def test_a_model_that_ignores_the_mask_is_refused():
     assert resolve_attention("auto", "cpu") == "padded"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_attention("flex", "cpu")
+    # FlexAttention's kernels need head dimensions >= 16 and powers of two: other CUDA models pack with SDPA
+    assert resolve_attention("auto", "cuda", 64) == "flex" and resolve_attention("auto", "cuda", 128) == "flex"
+    assert resolve_attention("auto", "cuda", 8) == "packed_sdpa" and resolve_attention("auto", "cuda", 80) == "packed_sdpa"
+    with pytest.raises(ValueError, match="head dimension 8"):
+        resolve_attention("flex", "cuda", 8)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("ent_w", [0.0, 0.3])
-def test_chunked_logprobs_equal_the_full_computation(temperature, ent_w):
+def test_chunked_logprobs_equal_the_full_computation(temperature, ent_w, fused):
+    """Chunks of 5 (the last one short) against one [37 x 50] log-softmax, float64; `fused` runs each
+    chunk's math through torch.compile (the GPU default), which must not fall back to eager here."""
+    from agentloop.train.logprobs import _Fused
+
     g = torch.Generator().manual_seed(3)
     n, h, v = 37, 8, 50
     hid = torch.randn(n, h, generator=g, dtype=torch.float64).requires_grad_(True)
@@ -133,7 +143,8 @@ def test_chunked_logprobs_equal_the_full_computation(temperature, ent_w):
     ((lp * gl).sum() + ent_w * en.sum()).backward()
     want = (lp.detach(), en.detach(), hid.grad.clone(), w.grad.clone())
     hid.grad = w.grad = None
-    lp2, en2 = chunked_logprobs(hid, w, y, temperature=temperature, chunk=5, entropy=True)  # 8 chunks, one short
+    lp2, en2 = chunked_logprobs(hid, w, y, temperature=temperature, chunk=5, entropy=True, fused=fused)
+    assert _Fused.failed is None
     ((lp2 * gl).sum() + ent_w * en2.sum()).backward()
     for a, b in zip((lp2.detach(), en2.detach(), hid.grad, w.grad), want):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

@@ -31,6 +31,8 @@ from agentloop.train.mailbox import (
 )
 
 VOCAB = 96
+JIT_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+"""torch 2.11's inductor import (GPU machines) warns from torch's own code; nothing of ours."""
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,20 @@ def tiny_model(tmp_path_factory) -> Path:
                       tie_word_embeddings=True)
     Qwen2ForCausalLM(cfg).save_pretrained(d)
     (d / "tokenizer_config.json").write_text("{}")  # stands in for tokenizer files: must be copied
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_model16(tmp_path_factory) -> Path:
+    """The tiny model with a head dimension of 16, the least FlexAttention's kernels take (the other has 8)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-model16")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
     return d
 
 
@@ -120,6 +136,7 @@ def test_load_sections(tmp_path):
     # YAML reads a bare off/on as a boolean
     assert load_sections(None, ["learner.share_prompt=off"])[1].share_prompt == "off"
     assert load_sections(None, ["learner.share_prompt=on"])[1].share_prompt == "on"
+    assert load_sections(None, ["learner.checkpoint_async=off"])[1].checkpoint_async == "off"
     with pytest.raises(ConfigError, match="share_prompt"):
         load_sections(None, ["learner.share_prompt=sometimes"])
     with pytest.raises(ConfigError, match="clip_ratio_lo"):
@@ -472,6 +489,7 @@ def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
 
 
 @pytest.mark.gpu
+@JIT_WARNING
 def test_gpu_two_ranks_nccl_matches_one_rank(tiny_model, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
@@ -479,6 +497,7 @@ def test_gpu_two_ranks_nccl_matches_one_rank(tiny_model, tmp_path):
 
 
 @pytest.mark.gpu
+@JIT_WARNING
 def test_gpu_bf16_step(tiny_model, tmp_path):
     """On CUDA: nccl, bf16 compute with float32 master weights, bf16 HF export."""
     if not torch.cuda.is_available():
@@ -698,13 +717,44 @@ def test_background_checkpoint_equals_a_synchronous_one(tiny_model, tmp_path):
         learner.train_step(make_records(1), 1)
         w1 = learner.save_hf(tmp_path / "w1")
         final = learner.save_checkpoint(tmp_path / "ck", data_position={"row": 3}, background=True)
+        # on CUDA the copy to host memory runs on a side stream: every optimizer step must wait for it first
+        events: list[str] = []
+        ck_wait, opt_step = learner._ckpt.wait_staged, learner.optimizer.step
+        learner._ckpt.wait_staged = lambda: (events.append("wait_staged"), ck_wait())[1]
+        learner.optimizer.step = lambda *a, **k: (events.append("step"), opt_step(*a, **k))[1]
         learner.train_step(make_records(2), 2)  # runs while the checkpoint of step 1 is written
+        assert events == ["wait_staged", "step", "wait_staged", "step"]  # ppo_epochs=2
         assert learner.wait_checkpoint() == final and final.is_dir()
         meta = learner.load_checkpoint(final)
         assert (meta.step, meta.data_position) == (1, {"row": 3})
         assert_weights_close(w1, learner.save_hf(tmp_path / "w1b"), atol=0)
     finally:
         learner.close()
+
+
+def test_background_checkpoint_is_published_while_the_learner_waits(tiny_model, tmp_path):
+    """The mailbox learner checkpoints step 1 in the background and then waits for step 2's batch (rollouts can
+    take long): the checkpoint goes into place as soon as it is written, not at the next step."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _launch(run, tiny_model, ["learner.device=cpu", "learner.poll_s=0.05", "learner.checkpoint_every=1",
+                                     "learner.checkpoint_async=on"])
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        client.wait_ready(120)
+        client.submit(1, make_records(1))
+        client.wait_update(1, 120)
+        deadline = time.monotonic() + 60
+        while latest_checkpoint(run / "checkpoints") is None:
+            assert time.monotonic() < deadline, "the step-1 checkpoint never appeared while the learner waited"
+            client.check_alive()
+            time.sleep(0.05)
+        assert latest_checkpoint(run / "checkpoints").name == "step-000001"
+        _finish(proc, client, run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_checkpoint_every_null_writes_no_checkpoint(tiny_model, tmp_path):
@@ -729,8 +779,9 @@ def test_checkpoint_every_null_writes_no_checkpoint(tiny_model, tmp_path):
 # ---- GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@JIT_WARNING
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_flex_matches_padded(tiny_model, tmp_path, dtype):
+def test_gpu_flex_matches_padded(tiny_model16, tmp_path, dtype):
     """On CUDA: packed rows with the FlexAttention block mask (shared prompts on) vs padded rows: same
     logprobs, loss, gradient norm and weights after a step (float32 tight, bfloat16 within its rounding)."""
     if not torch.cuda.is_available():
@@ -741,7 +792,7 @@ def test_gpu_flex_matches_padded(tiny_model, tmp_path, dtype):
     for attention in ("padded", "flex"):
         cfg = LearnerConfig(lr=1.0 if dtype == "float32" else 1e-3, adam_eps=1.0, grad_clip=None,
                             micro_batch_tokens=64, mini_batches=2, share_prompt="on", attention=attention, dtype=dtype)
-        res[attention] = one_step(tiny_model, algo, cfg, recs, tmp_path / f"w-{attention}", logprobs=True)
+        res[attention] = one_step(tiny_model16, algo, cfg, recs, tmp_path / f"w-{attention}", logprobs=True)
     (lp_a, a, w_a), (lp_b, b, w_b) = res["padded"], res["flex"]
     tol = 1e-4 if dtype == "float32" else 5e-2
     for x, y in zip(lp_a, lp_b):
@@ -752,6 +803,7 @@ def test_gpu_flex_matches_padded(tiny_model, tmp_path, dtype):
 
 
 @pytest.mark.gpu
+@JIT_WARNING
 def test_gpu_chunked_logprobs_keep_memory_flat():
     """152k vocabulary, 8192 tokens: the chunked forward + backward peaks far below one [tokens x vocab]
     float32 tensor (4.6 GiB), and grows with the chunk, not with the tokens."""
