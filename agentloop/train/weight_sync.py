@@ -17,8 +17,9 @@ Selected by `learner.weight_sync`:
             different device sets failed at comm init ("Cuda failure 'invalid argument'", H100).
 
 For tensor and nccl the mailbox learner pushes the weights itself, while the orchestrator holds
-the servers paused (see agentloop.train.mailbox: sync.request / sync.go); weights still go to
-disk at checkpoint steps so a resumed run can reload its servers.
+the servers paused (see agentloop.train.mailbox: sync.request / sync.go); no HF weights go to disk
+while training, and a learner that resumes from checkpoint C writes weights/step-C before it reports
+ready, so the orchestrator can reload its servers.
 
 Map:
     ParamMeta, plan_buckets       pure: (name, shape, dtype) per tensor -> buckets under a byte budget
