@@ -1,26 +1,27 @@
 #!/bin/bash
-# STATUS: written on 2026-11-26 and not yet run on a GPU (that session had no device time left).
-# Where a GPU `agentloop train` step's time goes, and what shared prompts buy the GPU learner.
-#   1. A real `agentloop train` run (configs/train_qwen_gpu.yaml: the calculator task with the tool loop,
-#      64 prompts x 8 samples, up to 512 new tokens a turn) of a random-weight Qwen2.5-0.5B-shaped model
-#      on one GPU: one SGLang server and the learner share it, weights pushed by CUDA IPC
-#      (learner.weight_sync=tensor). `agentloop bench train --run-dir` then splits its steps into
-#      rollout, reward, learner and sync.
-#   2. `agentloop bench train` (the learner alone, synthetic GRPO groups) with learner.share_prompt off
-#      vs on vs auto, for a prompt-heavy shape (1024 prompt + 256 response) and the bench's usual one
-#      (256 + 768).
-# Random weights never call the tool, so every episode is one turn of 512 tokens and the reward is 0:
-# the shapes, not the learning, decide the timings here (GRPO still runs the full loss and KL).
+# Where a real GPU `agentloop train` step's time goes, for one or more checkouts of agentloop side by side
+# on the same card and the same SGLang server (so "before" and "after" compare like with like).
+#   A real `agentloop train` run (configs/train_qwen_gpu.yaml: the calculator task with the tool loop,
+#   64 prompts x 8 samples, up to 512 new tokens a turn) of a random-weight Qwen2.5-0.5B-shaped model on one
+#   GPU: one SGLang server and the learner share it, weights pushed by CUDA IPC (learner.weight_sync=tensor),
+#   a checkpoint every SPLIT_CKPT_EVERY steps. `agentloop bench train --run-dir` then splits each run's steps
+#   into rollout, reward, learner and sync, and reports the learner's tokens/s, MFU and peak memory.
+# Random weights never call the tool, so every episode is one turn of 512 tokens (~362 prompt + 512
+# response tokens) and the reward is 0: the shapes, not the learning, decide the timings here.
 # Usage, from the repo root on the GPU machine (`.sglang-gpu` staged and carried):
-#   bash benchmarks/gpu_train_split.sh
-# Env: OUT (results folder, default ./bench_out), SPLIT_STEPS (4), SPLIT_BUDGET_S (560), SPLIT_PARTS ("train bench").
+#   SPLIT_CODES="base=/path/to/old/checkout new=." bash benchmarks/gpu_train_split.sh
+# Each code dir holds `agentloop/` and `configs/`. Env: OUT (results, default ./bench_out), SPLIT_CODES
+# ("new=."), SPLIT_STEPS (4), SPLIT_CKPT_EVERY (2), SPLIT_BUDGET_S (540), SPLIT_OVERRIDES_<name> (extra
+# overrides for that code's run, e.g. SPLIT_OVERRIDES_new="learner.micro_batch_tokens=32768").
 set -u
 source benchmarks/gpu_env.sh split_script.log
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 T0=$(date +%s)
-BUDGET=${SPLIT_BUDGET_S:-560}
+BUDGET=${SPLIT_BUDGET_S:-540}
 STEPS=${SPLIT_STEPS:-4}
-PARTS=" ${SPLIT_PARTS:-train bench} "
+CKPT=${SPLIT_CKPT_EVERY:-2}
+CODES=${SPLIT_CODES:-new=.}
+BASEPATH=$PYTHONPATH  # the bundle's paths (gpu_env.sh sourced .sglang-gpu/install.sh)
 PORT=30000
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
@@ -40,56 +41,63 @@ stop_server() {
 }
 trap stop_server EXIT
 
-if [[ $PARTS == *" train "* ]]; then
-  log "launching sglang (a quarter of the GPU: the learner shares it)"
-  setsid python3 -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --port $PORT \
-    --attention-backend triton --sampling-backend pytorch --grammar-backend none \
-    --mem-fraction-static 0.25 --cuda-graph-backend-prefill disabled > "$OUT/split_server.log" 2>&1 &
-  SERVER_PID=$!
-  deadline=$(( $(date +%s) + 240 ))
-  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=3)" 2>/dev/null; do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null || [ "$(date +%s)" -ge $deadline ]; then
-      log "server did not come up"; tail -30 "$OUT/split_server.log"; SERVER_PID=""; break
-    fi
-    sleep 2
-  done
-  if [ -n "$SERVER_PID" ]; then
-    log "server healthy; agentloop train, $STEPS steps"
-    RUN=/tmp/split_run
-    timeout -k 10 $(( $(left) - 150 )) python3 -m agentloop.cli train --server-url "http://127.0.0.1:$PORT" \
-      --model "$MODEL" --config configs/train_qwen_gpu.yaml --run-dir "$RUN" \
-      train.steps="$STEPS" train.val_every=0 learner.weight_sync=tensor learner.micro_batch_tokens=8192 \
-      learner.checkpoint_every=null 2>&1 | tail -40
-    log "train exit ${PIPESTATUS[0]}"
-    python3 -m agentloop.cli bench train --run-dir "$RUN" 2>&1 | tail -20
-    for f in metrics.jsonl config.yaml bench_train.md; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/split_$f"; done
-    tail -5 "$RUN"/learner*.log 2>/dev/null
-    stop_server
+log "launching sglang (a quarter of the GPU: the learner shares it)"
+setsid python3 -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --port $PORT \
+  --attention-backend triton --sampling-backend pytorch --grammar-backend none \
+  --mem-fraction-static 0.25 --cuda-graph-backend-prefill disabled > "$OUT/split_server.log" 2>&1 &
+SERVER_PID=$!
+deadline=$(( $(date +%s) + 240 ))
+until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=3)" 2>/dev/null; do
+  if ! kill -0 "$SERVER_PID" 2>/dev/null || [ "$(date +%s)" -ge $deadline ]; then
+    log "server did not come up"; tail -30 "$OUT/split_server.log"; exit 1
   fi
-fi
+  sleep 2
+done
+log "server healthy"
 
-if [[ $PARTS == *" bench "* ]]; then
-  bench() {  # $1 name, $2 prompt, $3 response, $4 share
-    local t=$(( $(left) - 10 ))
-    [ "$t" -gt 40 ] || { log "skip $1: budget spent"; return; }
-    log "learner bench $1: 64 x ($2 + $3), group 8, share_prompt $4"
-    timeout -k 5 "$t" python3 -m agentloop.cli bench train --model qwen2.5-0.5b-shape --bench-sequences 64 \
-      --bench-group-size 8 --bench-prompt-tokens "$2" --bench-response-tokens "$3" --bench-warmup 1 \
-      --bench-steps 3 --out "$OUT/share_$1.json" "run_dir=/tmp/share_$1" learner.device=cuda \
-      learner.dtype=bfloat16 learner.micro_batch_tokens=8192 algo.kl_coef=0.001 "learner.share_prompt=$4" 2>&1 | tail -12
-  }
-  bench p1024_off 1024 256 off
-  bench p1024_on 1024 256 on
-  bench p256_off 256 768 off
-  bench p256_auto 256 768 auto
-  bench p256_on 256 768 on
-fi
-cd "$OUT" && python3 - <<'EOF'
-import glob, json
-for f in sorted(glob.glob("share_*.json")):
-    r = json.load(open(f))["learner"]
-    print(f"{f}: share {r['learner'].get('share_prompt')}, step {r['step_s']['mean']:.3f}s, "
-          f"{r['tokens_per_s']:,.0f} episode tok/s, computed {r.get('computed_tokens_per_step')} of {r['tokens_per_step']}, "
-          f"MFU {r['mfu']}, mem {r['peak_memory_gib']}")
-EOF
+n_codes=$(echo "$CODES" | wc -w)
+i=0
+for pair in $CODES; do
+  name=${pair%%=*}; dir=$(cd "${pair#*=}" && pwd)
+  i=$(( i + 1 ))
+  # an even share of what is left for each remaining run, less a margin for the split report
+  t=$(( ( $(left) - 20 ) / ( n_codes - i + 1 ) ))
+  [ "$t" -gt 60 ] || { log "skip $name: budget spent"; continue; }
+  extra_var="SPLIT_OVERRIDES_$name"
+  RUN=/tmp/split_run_$name
+  rm -rf "$RUN"
+  log "[$name] agentloop train from $dir, $STEPS steps, checkpoint every $CKPT, up to ${t}s: ${!extra_var:-}"
+  ( cd "$dir" && PYTHONPATH="$dir:$BASEPATH" timeout -k 10 "$t" python3 -m agentloop.cli train \
+      --server-url "http://127.0.0.1:$PORT" --model "$MODEL" --config configs/train_qwen_gpu.yaml --run-dir "$RUN" \
+      train.steps="$STEPS" train.val_every=0 learner.weight_sync=tensor learner.checkpoint_every="$CKPT" \
+      ${!extra_var:-} ) > "$OUT/split_${name}_train.log" 2>&1
+  log "[$name] train exit $?"
+  tail -8 "$OUT/split_${name}_train.log"
+  ( cd "$dir" && PYTHONPATH="$dir:$BASEPATH" python3 -m agentloop.cli bench train --run-dir "$RUN" ) 2>&1 | tail -22
+  for f in metrics.jsonl bench_train.md learner.log; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/split_${name}_$f"; done
+  # the step's model FLOPs from its records, whatever the checkout reports: every episode's own tokens, a
+  # GRPO group's shared prompt once (agentloop.train.flops), so MFU compares across checkouts
+  python3 - "$RUN" "$OUT/split_${name}_flops.json" <<'PY'
+import json, sys
+from pathlib import Path
+run, out = Path(sys.argv[1]), Path(sys.argv[2])
+res = {}
+for f in sorted((run / "rollouts").glob("step-*.jsonl")):
+    groups = {}
+    for line in f.open():
+        r = json.loads(line)
+        if r.get("error") is None and r.get("reward") is not None and sum(r["response_mask"]):
+            groups.setdefault(tuple(r["prompt_ids"]), []).append(len(r["response_ids"]))
+    tokens = pairs = episode_tokens = 0
+    for prompt, resp in groups.items():
+        p = len(prompt) - 1
+        tokens += p + sum(resp)
+        pairs += p * p + sum((p + k) ** 2 - p * p for k in resp)
+        episode_tokens += sum(p + k for k in resp)
+    res[int(f.stem.split("-")[1])] = {"computed_tokens": tokens, "pairs": pairs, "episode_tokens": episode_tokens}
+out.write_text(json.dumps(res, indent=1))
+print("flops inputs per step:", res)
+PY
+done
+stop_server
 log "done"

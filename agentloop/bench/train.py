@@ -25,10 +25,12 @@ FLOPs (the model of agentloop.train.flops). A step runs `ppo_epochs` training pa
 the old logprobs are recomputed in a pass of their own (`learner.old_logprob_pass`: not for one
 epoch of one mini-batch, where the loss pass's detached logprobs are the old ones) and one more (the reference model) when `algo.kl_coef > 0`; these
 forward passes are the algorithm's, so they count as model FLOPs. With shared prompts
-(`learner.share_prompt`) the sums run over the rows the learner ran (a prompt once, then its
-responses), so the dense attention over a shared row counts L_row^2. Padding is not counted (the
-synthetic sequences have equal lengths, so there is none). Activation recomputation
-(`learner.gradient_checkpointing`) is not counted: it is work, not model FLOPs.
+(`learner.share_prompt`) the linear term runs over the tokens the learner ran (a prompt once, then its
+responses) and the attention term over the pairs the episodes need, a shared prompt's own pairs once
+(p^2 + sum((p + k_i)^2 - p^2); masked pairs a dense mask computes are work, not model FLOPs). Padding
+is not counted. Activation recomputation (`learner.gradient_checkpointing`) is not counted either.
+With `--bench-max-lag` the records carry token versions (lags 0..max_lag), as asynchronous rollouts do,
+so `algo.proximal=interpolate` can be timed against recompute.
     MFU = step FLOPs / step wall time / (ranks * peak dense bf16 FLOP/s per GPU)
 Step wall time is the whole `train_step` (batch preparation on the CPU and the optimizer step
 included), synchronised with the GPU.
@@ -79,6 +81,10 @@ class TrainBenchConfig(BaseModel):
     """Timed steps."""
     seed: int = 0
     """Seed of the synthetic records."""
+    max_lag: int | None = Field(default=None, ge=0)
+    """Give the records token versions (as asynchronous rollouts do): token k of an episode was sampled
+    (k mod (max_lag + 1)) versions before the step's starting weights (never below version 0). None: no
+    versions (synchronous records)."""
     peak_tflops: float | None = Field(default=None, gt=0)
     """Peak dense TFLOP/s per device for MFU; None: from PEAK_TFLOPS by GPU name (on CPU: no MFU)."""
 
@@ -114,6 +120,9 @@ def synthetic_records(bench: TrainBenchConfig, vocab_size: int, *, step: int = 1
     lp = -math.log(vocab_size)
     logprobs = [lp if m else 0.0 for m in mask]
     rewards = torch.rand(bench.sequences, generator=g).tolist()
+    versions: list[int | None] = []
+    if bench.max_lag is not None:
+        versions = [max(0, step - 1 - k % (bench.max_lag + 1)) if m else None for k, m in enumerate(mask)]
     records = []
     for index in range(groups):
         prompt = torch.randint(0, vocab_size, (bench.prompt_tokens,), generator=g).tolist()
@@ -123,7 +132,7 @@ def synthetic_records(bench: TrainBenchConfig, vocab_size: int, *, step: int = 1
                 response_mask=list(mask), response_logprobs=list(logprobs),
                 reward=rewards[index * bench.group_size + repeat], finish_reason="length",
                 episode_id=f"bench-{step}-{index}-{repeat}", index=index, repeat=repeat,
-                data_source="bench", loop="bench", seed=0, step=step,
+                data_source="bench", loop="bench", seed=0, step=step, token_versions=list(versions),
             ))
     return records
 
@@ -228,7 +237,8 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
     seq_lens = [seq] * bench.sequences
     from agentloop.train.learner import old_logprob_pass
 
-    fwd_passes = int(old_logprob_pass(algo, cfg)) + int(algo.kl_coef > 0)
+    interpolate = algo.old_logprobs == "recompute" and algo.proximal == "interpolate"
+    fwd_passes = int(old_logprob_pass(algo, cfg) and not interpolate) + int(algo.kl_coef > 0)
     # FLOPs of the rows the learner ran: with shared prompts (learner.share_prompt) a row holds a
     # prompt once and several responses, so the work is less than per-episode rows would need.
     computed = mean_of("batch/computed_tokens")
@@ -252,16 +262,19 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
         "model": bench.model, "model_path": model_path,
         "device": device_name, "device_type": learner.device_type, "ranks": learner.world,
         "dtype": str(learner.compute_dtype).removeprefix("torch."),
-        "algo": {"estimator": algo.estimator, "old_logprobs": algo.old_logprobs, "kl_coef": algo.kl_coef,
-                 "loss_agg_mode": algo.loss_agg_mode},
+        "algo": {"estimator": algo.estimator, "old_logprobs": algo.old_logprobs, "proximal": algo.proximal,
+                 "kl_coef": algo.kl_coef, "kl_type": algo.kl_type, "loss_agg_mode": algo.loss_agg_mode},
         "learner": {"micro_batch_tokens": cfg.micro_batch_tokens, "mini_batches": cfg.mini_batches,
-                    "share_prompt": cfg.share_prompt,
+                    "share_prompt": cfg.share_prompt, "attention": learner.attention,
+                    "logprob_chunk_tokens": cfg.logprob_chunk_tokens, "compile": cfg.compile,
                     "ppo_epochs": cfg.ppo_epochs, "gradient_checkpointing": cfg.gradient_checkpointing},
         "model_shape": {"matmul_params": n_params, "layers": hf.num_hidden_layers, "hidden": hf.hidden_size,
                         "vocab": hf.vocab_size},
         "load_s": load_s,
         "tokens_per_step": tokens, "response_tokens_per_step": response,
         "computed_tokens_per_step": computed, "shared_rows_per_step": mean_of("batch/shared_rows"),
+        "padded_tokens_per_step": mean_of("batch/padded_tokens"),
+        "interpolate_abs_err": mean_of("mismatch/interpolate_abs_err"),
         "step_s": {"mean": mean, "min": walls[0], "max": walls[-1], "all": [s["wall_s"] for s in steps]},
         "tokens_per_s": tokens * cfg.ppo_epochs / mean,
         "response_tokens_per_s": response * cfg.ppo_epochs / mean,
@@ -366,7 +379,11 @@ def step_split(rows: list[dict[str, float]], *, skip_first: int = 0) -> dict[str
         v = mean(f"learner/time/{k}")
         if v is not None:
             phases[f"learner: {k.removesuffix('_s')}"] = v
+    perf = {k.removeprefix("learner/perf/"): mean(k) for k in
+            ("learner/perf/tokens_per_s", "learner/perf/tflops_per_device", "learner/perf/mfu",
+             "learner/perf/peak_memory_gib")}
     return {
+        "learner_perf": {k: v for k, v in perf.items() if v is not None},
         "steps": [int(r["step"]) for r in used],
         "step_s": step,
         "phases": {k: {"seconds": v, "share": (v / step if v is not None and step > 0 else None)}
@@ -390,7 +407,8 @@ def format_learner(r: dict[str, Any]) -> str:
     lines = [
         f"bench train (learner): {r['model']} on {r['ranks']} x {r['device']} ({r['dtype']}), "
         f"{b['sequences']} seqs x ({b['prompt_tokens']} prompt + {b['response_tokens']} response) tokens, "
-        f"group {b['group_size']}, micro_batch_tokens {r['learner']['micro_batch_tokens']}",
+        f"group {b['group_size']}, micro_batch_tokens {r['learner']['micro_batch_tokens']}, attention "
+        f"{r['learner'].get('attention', '-')}",
         f"  rows               share_prompt {r['learner'].get('share_prompt', 'off')}: "
         f"{r.get('computed_tokens_per_step') or r['tokens_per_step']:,.0f} tokens computed of "
         f"{r['tokens_per_step']:,} in the episodes, {r.get('shared_rows_per_step') or 0:g} shared rows",
@@ -420,6 +438,13 @@ def format_split(s: dict[str, Any], title: str = "") -> str:
         sec, share = _phase_cells(p)
         lines.append(f"{name:<22} {sec:>9} {share:>7}")
     lines.append("(reward is summed over episodes and overlaps rollout; learner: rows split the learner's time)")
+    perf = s.get("learner_perf") or {}
+    if perf:
+        bits = [f"{perf['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in perf else "",
+                f"{perf['tflops_per_device']:.3g} TFLOP/s/device" if "tflops_per_device" in perf else "",
+                f"MFU {100 * perf['mfu']:.1f}%" if "mfu" in perf else "",
+                f"peak {perf['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in perf else ""]
+        lines.append("learner train_step: " + ", ".join(b for b in bits if b))
     return "\n".join(lines)
 
 
@@ -433,11 +458,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         b = r["bench"]
         share = r["learner"].get("share_prompt", "off")
         computed = r.get("computed_tokens_per_step") or r["tokens_per_step"]
-        out += ["| model | device | ranks | dtype | seqs x len | share_prompt | computed tokens | step s | tok/s | "
-                "response tok/s | TFLOP/s/dev | MFU | peak mem |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        att = r["learner"].get("attention", "-")
+        out += ["| model | device | ranks | dtype | seqs x len | attention | share_prompt | computed tokens | step s | "
+                "tok/s | response tok/s | TFLOP/s/dev | MFU | peak mem |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
                 f"| {r['model']} | {r['device']} | {r['ranks']} | {r['dtype']} | {b['sequences']} x "
-                f"{b['prompt_tokens'] + b['response_tokens']} | {share} | {computed:,.0f} of {r['tokens_per_step']:,} | "
+                f"{b['prompt_tokens'] + b['response_tokens']} | {att} | {share} | {computed:,.0f} of "
+                f"{r['tokens_per_step']:,} | "
                 f"{r['step_s']['mean']:.3f} | {r['tokens_per_s']:,.0f} | "
                 f"{r['response_tokens_per_s']:,.0f} | {r['achieved_tflops_per_device']:.3g} | {mfu} | {mem_s} |", ""]
     if "split" in report:
@@ -447,6 +474,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         for name, p in s["phases"].items():
             sec, share = _phase_cells(p)
             out.append(f"| {name} | {sec} | {share} |")
+        perf = s.get("learner_perf") or {}
+        if perf:
+            out += ["", "| learner train_step | value |", "|---|---|"]
+            out += [f"| {k} | {v:,.4g} |" for k, v in perf.items()]
         out.append("")
     return "\n".join(out)
 
@@ -468,7 +499,7 @@ def bench_settings(args: argparse.Namespace, cfg: Any) -> TrainBenchConfig:
              "group_size": args.bench_group_size, "prompt_tokens": args.bench_prompt_tokens,
              "response_tokens": args.bench_response_tokens, "env_tokens": args.bench_env_tokens,
              "warmup_steps": args.bench_warmup, "steps": args.bench_steps, "seed": args.bench_seed,
-             "peak_tflops": args.peak_tflops}
+             "peak_tflops": args.peak_tflops, "max_lag": args.bench_max_lag}
     from pydantic import ValidationError
 
     from agentloop.errors import ConfigError

@@ -188,9 +188,20 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
     ),
+    "qwen2.5-1.5b-shape": dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+    ),
+    "qwen2.5-3b-shape": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+    ),
 }
 """Qwen2 config fields of real model shapes, for benchmarks that need the real compute and memory
-of a model but not its weights (so nothing is downloaded). Qwen2.5-0.5B: 494M parameters."""
+of a model but not its weights (so nothing is downloaded). Qwen2.5-0.5B: 494M parameters; 1.5B: 1.54B;
+3B: 3.09B (all with tied embeddings, as the released models)."""
 
 
 def shape_config(name: str, *, bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,

@@ -15,9 +15,9 @@ from agentloop.util.fsio import atomic_write_text
 KL_KEY, ENTROPY_KEY = "learner/actor/kl_ref", "learner/actor/entropy"
 """The learner's metrics (prefixed `learner/` in metrics.jsonl) that the progress line and curves show."""
 
-OFF_POLICY_KEYS = {"learner/actor/mismatch_kl": "mismatch KL (behaviour vs proximal)",
-                   "learner/actor/tis_clipped_frac": "tokens with TIS weight capped",
-                   "learner/actor/ratio_masked_frac": "tokens masked by ratio",
+OFF_POLICY_KEYS = {"learner/mismatch/kl_behaviour_proximal": "mismatch KL (behaviour vs proximal)",
+                   "learner/mismatch/tis_capped_frac": "tokens with TIS weight capped",
+                   "learner/mismatch/masked_frac": "tokens masked by ratio",
                    "learner/actor/clip_frac": "PPO-clipped tokens"}
 """Learner metrics of the off-policy correction drawn on curves.html (those present)."""
 

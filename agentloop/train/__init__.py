@@ -9,9 +9,15 @@ starts the learner by command line (learner_process) and talks to it through fil
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
     flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput
     advantages   estimator registry (grpo, rloo, reinforce_pp) + compute_advantages
-    losses       PPO clipped loss, aggregation weights, KL / entropy terms, TIS, Stats
-    batching     records -> episodes -> mini-batches -> per-rank padded micro-batches
-    checkpoint   resumable sharded checkpoints (atomic: temp dir + rename)
+    losses       PPO clipped loss (decoupled: behaviour / proximal / current), aggregation weights, KL terms
+                 (k1 / k2 / k3 / k1_reward), entropy, TIS and ratio masking, device-side Stats
+    batching     records -> episodes -> mini-batches -> per-rank micro-batches (packed rows or padded ones),
+                 staleness metrics, the KL penalty's per-episode return
+    attention    packed rows' masks: FlexAttention block masks (CUDA) or dense SDPA masks; the HF attention
+                 function that runs flex; the check that a model honours the mask
+    logprobs     logprobs / entropy from the final hidden states in chunks (no [tokens x vocab] tensor),
+                 as a patch of the model's LM head
+    checkpoint   resumable sharded checkpoints (atomic: temp dir + rename), synchronous or in the background
     mailbox      file protocol orchestrator <-> learner (MailboxClient is the orchestrator side)
     weight_sync  disk | tensor (CUDA IPC) | nccl (broadcast) weight push to the servers, by name
     learner      Learner (in-process API) and the torchrun entry point `serve` / `main`

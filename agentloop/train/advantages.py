@@ -104,8 +104,9 @@ def reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Ten
     model tokens of the batch: A = (r - mean_tok) / (std_tok + eps).
 
     Token-level statistics are the episode statistics weighted by each episode's model-token
-    count. Groups are ignored. Simplified: the per-token KL-in-reward of the paper is not
-    folded into returns here; use `kl_coef` (a KL loss term) instead.
+    count. Groups are ignored. The paper's per-token KL in the reward is `algo.kl_type=k1_reward`
+    (applied by the learner, which has the reference logprobs). With `drop_zero_variance_groups` it is a
+    config error: a group of equal rewards still has non-zero advantages here.
     """
     w = lengths.to(rewards.dtype)
     if w.sum() <= 0:

@@ -1,14 +1,19 @@
-"""Episode records -> advantages -> mini-batches -> per-rank micro-batches of padded tensors.
+"""Episode records -> advantages -> mini-batches -> per-rank micro-batches (packed or padded tensors).
 
 Map:
-    Episode            one usable record, flattened (ids, masks, rollout logprobs, advantage)
+    Episode            one usable record, flattened (ids, masks, rollout logprobs, advantage, versions)
     prepare_episodes   drop failed/unscored records, group by (step, index), compute advantages
+    staleness_metrics  version lag per token (asynchronous rollouts)
     mini_batch_indices deterministic shuffle + split of a step's episodes into mini-batches
     shard_for_rank     token-balanced split of a mini-batch over ranks (same answer on every rank)
     pack_greedy        first-fit-decreasing packing of sequences under a token budget
     RowCost, share_items   which episodes share one row (same prompt tokens), see "Shared prompts"
     collate            padded tensors of one micro-batch, a row per episode (2-D attention mask)
     collate_shared     the same with rows of one prompt + several responses (4-D attention mask)
+    collate_packed     one row holding every row of the micro-batch back to back, no padding between
+                       them: position ids restart per row, and `doc_ids`/`seg_ids` say what may attend
+                       to what (agentloop.train.attention turns them into a block or dense mask)
+    episode_return     per-token reward -> its return to the end of the episode (KL in the reward)
     plan_micro_batches all of the above for one rank and one mini-batch, padded with empty
                        micro-batches so every rank runs the same number of forward/backward passes
                        (FSDP collectives would hang otherwise)
@@ -20,7 +25,7 @@ k sits at s[P+k] (P = prompt length) and is predicted at j = P+k-1: `loss_mask[j
 
 Shared prompts. The episodes of a GRPO group start with the same prompt tokens; in the built-in
 calculator task that is ~360 of ~400 tokens. A shared row holds that prompt once and then one
-segment per response, and a 4-D attention mask lets each segment see the prompt and itself only:
+segment per response, and the attention mask lets each segment see the prompt and itself only:
 
     row       s[0..P-2] | s1[P-1..] | s2[P-1..] | ...      (segment i = s_i[P-1 .. len_i-2])
     position  0 .. P-2  | P-1 ..    | P-1 ..    |
@@ -30,17 +35,20 @@ Segment i's first token is the prompt's last one, repeated (one token per respon
 row position still predicts exactly one target and the [b, L] alignment above holds with the
 segment's start in place of P-1. Each token sees the same context at the same position as in its
 own row, so logprobs and gradients are those of the unshared layout (up to float summation order);
-the linear layers and the LM head run on the prompt once instead of once per response. The cost:
-a dense masked attention over the whole row (no flash kernel, masked pairs still computed), which
-`RowCost` weighs against the tokens saved when `learner.share_prompt` is auto.
+the linear layers and the LM head run on the prompt once instead of once per response. With a dense
+mask (padded, packed_sdpa) the masked pairs of the row are still computed, which `RowCost` weighs
+against the tokens saved when `learner.share_prompt` is auto; FlexAttention skips them block-wise.
+
+Packed layout (learner.attention flex / packed_sdpa). The rows above are laid back to back in one
+row of the micro-batch, padded only at the end (to `pad_multiple`). Per position: `doc_ids` = which
+row (-1 on the end padding), `seg_ids` = 0 on a row's prompt part and on an unshared row, i >= 1 on
+segment i of a shared row. Position q may attend to k iff doc[q] == doc[k], k <= q, and seg[k] is 0
+or seg[q] (agentloop.train.attention.allowed).
 
 Gradient accumulation: `weights` are `losses.token_weights` computed with the *mini-batch's*
 global counts (all ranks), so sum over micro-batches and ranks of `sum(weights * l)` is the
 mini-batch loss in every aggregation mode. FSDP averages gradients over ranks, so the learner
 multiplies each micro-batch loss by the world size.
-
-Simplified: micro-batches are right-padded rectangles, not varlen-packed rows; the budget
-counts real tokens, so padding can add compute (sorting by length keeps it small).
 """
 
 from __future__ import annotations
@@ -71,6 +79,9 @@ class Episode:
     rollout_logprobs: list[float]
     advantage: float
     reward: float
+    versions: list[int] | None = None
+    """Per response token: the weight version that sampled it, -1 where unknown or mask 0; None when the
+    record carries no token versions (synchronous rollouts)."""
 
     @property
     def length(self) -> int:
@@ -110,6 +121,7 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
             rollout_logprobs=list(r.response_logprobs),
             advantage=float(a),
             reward=float(r.reward),
+            versions=[-1 if v is None else int(v) for v in r.token_versions] if r.token_versions else None,
         )
         for r, a, k in zip(ok, adv.values.tolist(), adv.keep.tolist())
         if k and r.num_model_tokens > 0
@@ -126,6 +138,38 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
         **adv.metrics(),
     }
     return Prepared(episodes=eps, metrics=metrics)
+
+
+def staleness_metrics(episodes: list[Episode], step: int, *, max_lag_bucket: int = 4) -> dict[str, float]:
+    """Version lag per model token, lag = (step - 1) - version (step s trains the weights of version
+    s - 1), over the tokens whose version is known: `async/staleness_mean`, `async/staleness_max`,
+    `async/lag_share_<k>` for k < max_lag_bucket and `async/lag_share_<max_lag_bucket>+` (shares of those
+    tokens), and `async/version_known_frac` (of all model tokens). Empty when no episode carries versions.
+    Computed from the full episode list, so every rank gets the same numbers without a collective."""
+    if not any(e.versions is not None for e in episodes):
+        return {}
+    lags: Counter[int] = Counter()
+    known = total = 0
+    for e in episodes:
+        total += e.model_tokens
+        if e.versions is None:
+            continue
+        for m, v in zip(e.response_mask, e.versions):
+            if m and v >= 0:
+                lags[(step - 1) - v] += 1
+                known += 1
+    out = {"async/version_known_frac": known / max(total, 1)}
+    if known:
+        if min(lags) < 0:
+            raise ValueError(f"step {step}: a token was sampled by weight version {step - 1 - min(lags)}, newer than "
+                             f"the weights this step starts from (version {step - 1})")
+        out["async/staleness_mean"] = sum(k * n for k, n in lags.items()) / known
+        out["async/staleness_max"] = float(max(lags))
+        for k in range(max_lag_bucket):
+            out[f"async/lag_share_{k}"] = lags.get(k, 0) / known
+        out[f"async/lag_share_{max_lag_bucket}+"] = sum(n for k, n in lags.items() if k >= max_lag_bucket) / known
+    return out
+
 
 
 def mini_batch_indices(n: int, mini_batches: int, *, seed: int) -> list[list[int]]:
@@ -167,10 +211,15 @@ def pack_greedy(idxs: list[int], lengths: Lengths, budget: int) -> list[list[int
 
 @dataclass
 class MicroBatch:
-    """Padded tensors of one forward/backward, all [b, L] with the alignment of the module doc."""
+    """Tensors of one forward/backward, all [b, L] with the alignment of the module doc.
+
+    Padded layout: a row per `items` entry, right-padded, `attention_mask` 2-D (a row per episode) or 4-D
+    (shared rows). Packed layout: b = 1, every item back to back, `attention_mask` None and `doc_ids` /
+    `seg_ids` set.
+    """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     targets: torch.Tensor
     loss_mask: torch.Tensor
@@ -182,11 +231,33 @@ class MicroBatch:
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     """Per episode_ids entry: (row, start, k), its k response tokens sit at [row, start:start+k]."""
     row_lengths: list[int] = field(default_factory=list)
-    """Real (non-padding) positions of each row: what the forward pass computes."""
+    """Real (non-padding) positions of each item (a row of the padded layout, a stretch of the packed
+    one): what the forward pass computes."""
+    row_attn_sq: list[int] = field(default_factory=list)
+    """Per item, the attention term of the FLOP model: S^2 for a sequence of S input tokens; for a shared
+    row with prompt part p and segments k_i, p^2 + sum((p + k_i)^2 - p^2), the pairs a row per episode
+    would need less the repeated prompt's (agentloop.train.flops)."""
+    items: list[list[int]] = field(default_factory=list)
+    """The rows' episode indices (several where a prompt is shared)."""
+    ret_end: torch.Tensor | None = None
+    """[b, L] int64: one past the last position of the episode span each position belongs to (the
+    position + 1 outside spans): `episode_return` sums a per-token value from a token to there."""
+    versions: torch.Tensor | None = None
+    """[b, L] int64 weight version of each target token, -1 where unknown (None: no episode has versions)."""
+    doc_ids: torch.Tensor | None = None
+    """Packed layout, [L] int32: which item each position belongs to, -1 on the end padding."""
+    seg_ids: torch.Tensor | None = None
+    """Packed layout, [L] int32: 0 on prompt parts and unshared items, i on segment i of a shared item."""
     old_logprobs: torch.Tensor | None = None
     """Filled by the learner (recompute mode) before the first update."""
     ref_logprobs: torch.Tensor | None = None
     """Filled by the learner when kl_coef > 0."""
+    attn_cache: dict = field(default_factory=dict)
+    """The attention mask built from doc_ids/seg_ids for a device, kept for the step's later passes."""
+
+    @property
+    def packed(self) -> bool:
+        return self.doc_ids is not None
 
     @property
     def tokens(self) -> int:
@@ -194,21 +265,42 @@ class MicroBatch:
 
     @property
     def shared_rows(self) -> int:
-        """Rows that hold a prompt and more than one response."""
-        return sum(1 for n in Counter(row for row, _, _ in self.spans).values() if n > 1)
+        """Items that hold a prompt and more than one response."""
+        return sum(1 for it in self.items if len(it) > 1)
 
     @property
     def shared(self) -> bool:
-        """Rows hold shared prompts (a 4-D attention mask) rather than one episode each."""
-        return self.attention_mask.dim() == 4
+        """Some item holds a shared prompt (padded layout: a 4-D attention mask)."""
+        return self.shared_rows > 0
 
     def to(self, device: torch.device) -> "MicroBatch":
         for name in ("input_ids", "attention_mask", "position_ids", "targets", "loss_mask", "advantages",
-                     "rollout_logprobs", "weights", "old_logprobs", "ref_logprobs"):
+                     "rollout_logprobs", "weights", "old_logprobs", "ref_logprobs", "ret_end", "versions",
+                     "doc_ids", "seg_ids"):
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, t.to(device))
+                setattr(self, name, t.to(device, non_blocking=True))
         return self
+
+
+def episode_return(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per position, the sum of `values` ([b, L]) from that position to the end of its episode's span
+    (0 outside spans if `values` is 0 there): the return of a per-token reward, gamma = 1."""
+    assert mb.ret_end is not None
+    b, L = values.shape
+    # suffix[j] = sum of values[j:]; one zero column so ret_end == L is a valid index
+    suffix = torch.cat([values.flip(-1).cumsum(-1).flip(-1), values.new_zeros(b, 1)], dim=-1)
+    return suffix[:, :L] - suffix.gather(-1, mb.ret_end)
+
+
+def kl_reward_advantages(mb: MicroBatch, advantages: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                         coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL in the reward (algo.kl_type=k1_reward): each model token's reward gets -coef * (old - ref) (k1 under
+    the proximal policy), and its advantage drops by that penalty's return to the end of its episode.
+    Returns (advantages, per-token penalty), both zero off the loss mask."""
+    m = mb.loss_mask
+    pen = coef * (old_logp.detach() - ref_logp.detach()).to(torch.float32) * m
+    return (advantages - episode_return(mb, pen)) * m, pen
 
 
 def collate(
@@ -229,6 +321,7 @@ def collate(
 
 
 ShareMode = Literal["auto", "on", "off"]
+Layout = Literal["padded", "packed"]
 
 
 def item_length(episodes: list[Episode], item: list[int]) -> int:
@@ -237,6 +330,14 @@ def item_length(episodes: list[Episode], item: list[int]) -> int:
         return episodes[item[0]].length
     p = episodes[item[0]].prompt_len - 1
     return p + sum(episodes[i].length - p for i in item)
+
+
+def item_attn_sq(episodes: list[Episode], item: list[int]) -> int:
+    """The FLOP model's attention term of the row holding `item` (MicroBatch.row_attn_sq)."""
+    if len(item) == 1:
+        return episodes[item[0]].length ** 2
+    p = episodes[item[0]].prompt_len - 1
+    return p * p + sum(episodes[i].length ** 2 - p * p for i in item)
 
 
 def share_items(
@@ -291,6 +392,22 @@ def collate_shared(
                          shared=True)
 
 
+def collate_packed(
+    episodes: list[Episode],
+    items: list[list[int]],
+    mode: LossAggMode,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+    pad_id: int = 0,
+    pad_multiple: int = 1,
+) -> MicroBatch:
+    """One packed row: `items` back to back (each a plain sequence or a shared prompt + segments), the
+    row's length rounded up to `pad_multiple` (module doc, "Packed layout")."""
+    return _collate_rows(episodes, items, mode, num_tokens=num_tokens, num_seqs=num_seqs, pad_id=pad_id,
+                         shared=False, packed=True, pad_multiple=pad_multiple)
+
+
 def _collate_rows(
     episodes: list[Episode],
     items: list[list[int]],
@@ -300,36 +417,56 @@ def _collate_rows(
     num_seqs: float,
     pad_id: int,
     shared: bool,
+    packed: bool = False,
+    pad_multiple: int = 1,
 ) -> MicroBatch:
-    """Row r = the prompt of items[r] once, then a segment per episode (module doc). A row of one
-    episode is that episode's plain sequence, so `shared` only decides the attention mask: 2-D
-    padding mask (causal inside the model) or 4-D, each segment seeing the prompt and itself."""
+    """Item r = the prompt of items[r] once, then a segment per episode (module doc). Padded layout: a row
+    per item; a row of one episode is that episode's plain sequence, so `shared` only decides the attention
+    mask: 2-D padding mask (causal inside the model) or 4-D, each segment seeing the prompt and itself.
+    Packed layout: every item in row 0, one after the other."""
     lengths = [item_length(episodes, it) for it in items]
-    b, L = max(len(items), 1), max(lengths + [1])
+    if packed:
+        b = 1
+        L = max(sum(lengths), 1)
+        L = -(-L // pad_multiple) * pad_multiple
+    else:
+        b, L = max(len(items), 1), max(lengths + [1])
     input_ids = torch.full((b, L), pad_id, dtype=torch.long)
     targets = torch.full((b, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, 1, L, L) if shared else (b, L), dtype=torch.bool if shared else torch.long)
+    if packed:
+        attn = None
+    else:
+        attn = torch.zeros((b, 1, L, L) if shared else (b, L), dtype=torch.bool if shared else torch.long)
     pos = torch.zeros((b, L), dtype=torch.long)
     mask = torch.zeros((b, L), dtype=torch.float32)
     adv = torch.zeros((b, L), dtype=torch.float32)
     rlp = torch.zeros((b, L), dtype=torch.float32)
     w = torch.zeros((b, L), dtype=torch.float64)
+    ret_end = torch.arange(1, L + 1, dtype=torch.long).repeat(b, 1)
+    has_versions = any(episodes[i].versions is not None for it in items for i in it)
+    vers = torch.full((b, L), -1, dtype=torch.long) if has_versions else None
+    doc = torch.full((L,), -1, dtype=torch.int32) if packed else None
+    seg = torch.zeros((L,), dtype=torch.int32) if packed else None
     causal = torch.ones((L, L), dtype=torch.bool).tril() if shared else None
     spans: list[tuple[int, int, int]] = []
     episode_ids: list[int] = []
-    if not items:
+    if not items and attn is not None:
         attn[0, 0] = 1
-    for r, item in enumerate(items):
+    off = 0
+    for n, item in enumerate(items):
+        r = 0 if packed else n
         first = episodes[item[0]]
         p = first.prompt_len - 1
         head = torch.tensor(first.ids[:p + 1], dtype=torch.long)
-        input_ids[r, :p] = head[:p]
-        targets[r, :p] = head[1:]
-        pos[r, :p] = torch.arange(p)
+        input_ids[r, off:off + p] = head[:p]
+        targets[r, off:off + p] = head[1:]
+        pos[r, off:off + p] = torch.arange(p)
         if shared:
             attn[r, 0, :p, :p] = causal[:p, :p]
-        a = p
-        for i in item:
+        if packed:
+            doc[off:off + lengths[n]] = n
+        a = off + p
+        for j, i in enumerate(item):
             e = episodes[i]
             k = e.length - p
             if k != len(e.response_mask):
@@ -341,15 +478,22 @@ def _collate_rows(
             if shared:
                 attn[r, 0, a:a + k, :p] = True
                 attn[r, 0, a:a + k, a:a + k] = causal[:k, :k]
+            if packed and len(item) > 1:
+                seg[a:a + k] = j + 1
             m = torch.tensor(e.response_mask, dtype=torch.float32)
             mask[r, a:a + k] = m
             rlp[r, a:a + k] = torch.tensor(e.rollout_logprobs, dtype=torch.float32)
             adv[r, a:a + k] = e.advantage * m
             w[r, a:a + k] = token_weights(m.unsqueeze(0), mode, num_tokens=num_tokens, num_seqs=num_seqs)[0]
+            ret_end[r, a:a + k] = a + k
+            if vers is not None and e.versions is not None:
+                vers[r, a:a + k] = torch.tensor(e.versions, dtype=torch.long)
             spans.append((r, a, k))
             episode_ids.append(i)
             a += k
-        if shared:
+        if packed:
+            off = a
+        elif shared:
             # Padding queries see only themselves: a fully masked row would make SDPA return NaN, and
             # NaN * 0 weight is still NaN in the backward pass.
             pad = torch.arange(a, L)
@@ -357,7 +501,8 @@ def _collate_rows(
         else:
             attn[r, :a] = 1
     return MicroBatch(input_ids, attn, pos, targets, mask, adv, rlp, w, episode_ids, spans=spans,
-                      row_lengths=lengths)
+                      row_lengths=lengths, row_attn_sq=[item_attn_sq(episodes, it) for it in items],
+                      items=[list(it) for it in items], ret_end=ret_end, versions=vers, doc_ids=doc, seg_ids=seg)
 
 
 def plan_micro_batches(
@@ -371,10 +516,13 @@ def plan_micro_batches(
     pad_id: int = 0,
     share: ShareMode = "off",
     cost: RowCost | None = None,
+    layout: Layout = "padded",
+    pad_multiple: int = 1,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of the mini-batch `idxs`, padded to the count of the busiest rank.
 
-    Rows are `share_items`; a micro-batch with a shared row gets the 4-D mask for all its rows.
+    Rows are `share_items`. Padded layout: a micro-batch with a shared row gets the 4-D mask for all its
+    rows. Packed layout: each micro-batch is one packed row (`collate_packed`).
     """
     num_tokens = float(sum(episodes[i].model_tokens for i in idxs))
     num_seqs = float(sum(1 for i in idxs if episodes[i].model_tokens > 0))
@@ -388,8 +536,12 @@ def plan_micro_batches(
     out = []
     for firsts in mine:
         rows = [by_first[f] for f in firsts]
-        out.append(_collate_rows(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs, pad_id=pad_id,
-                                 shared=any(len(it) > 1 for it in rows)))
+        if layout == "packed":
+            out.append(collate_packed(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                      pad_id=pad_id, pad_multiple=pad_multiple))
+        else:
+            out.append(_collate_rows(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                     pad_id=pad_id, shared=any(len(it) > 1 for it in rows)))
     return out
 
 
@@ -400,7 +552,10 @@ __all__ = [
     "RowCost",
     "ShareMode",
     "collate",
+    "collate_packed",
     "collate_shared",
+    "episode_return",
+    "kl_reward_advantages",
     "item_length",
     "mini_batch_indices",
     "pack_greedy",
@@ -408,4 +563,5 @@ __all__ = [
     "prepare_episodes",
     "shard_for_rank",
     "share_items",
+    "staleness_metrics",
 ]

@@ -36,16 +36,50 @@ class AlgoConfig(_Section):
     mean over sequences of each sequence's token sum, or mean over sequences of each sequence's token mean."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty to the frozen initial model. 0 = no reference model is loaded."""
-    kl_type: Literal["k1", "k3"] = "k3"
-    """KL estimator per sampled token: k1 = logp - ref_logp; k3 = exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    kl_type: Literal["k1", "k2", "k3", "k1_reward"] = "k3"
+    """How the KL penalty enters, from sampled-token logprobs (d = logp - ref_logp). As a loss term
+    (kl_coef * value per token):
+    k1 = d: its value estimates KL(pi||ref), but its expected gradient is zero (E_pi[grad log pi] = 0):
+    it only adds noise; kept for comparison.
+    k2 = d^2 / 2: its on-policy expected gradient is that of KL(pi||ref) (the usual choice for a loss).
+    k3 = exp(-d) + d - 1 (>= 0, capped at `kl_value_max`): its expected gradient is that of the *reverse*
+    KL(ref||pi), not KL(pi||ref); it is the GRPO paper's term.
+    In the reward: k1_reward = kl_coef * (old_logp - ref_logp) is subtracted from each model token's
+    reward, summed from that token to the end of its episode (the KL penalty's return, verl's
+    use_kl_in_reward), and the advantage of every token is lowered by it: the policy gradient of
+    -kl_coef * KL(pi||ref) over whole sequences, unbiased."""
+    kl_value_max: float = Field(default=10.0, gt=0)
+    """k3 only: per-token KL values are capped here (with zero gradient beyond), so one token whose
+    logprob fell far below the reference's cannot dominate the loss (uncapped, exp(ref - logp) explodes)."""
     entropy_coef: float = Field(default=0.0, ge=0)
-    """Weight of the entropy bonus (subtracted from the loss). Entropy is reported either way."""
+    """Weight of the entropy bonus (subtracted from the loss). Entropy is reported either way
+    (`learner.entropy_metric`)."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    """The PPO ratio's denominator. recompute: the learner's own logprobs before the step (one extra
-    forward pass); rollout: the server's logprobs from the records (no extra pass)."""
+    """The PPO ratio's denominator. recompute: a proximal policy, the learner's weights at the start of the
+    step (decoupled PPO: the rollout's behaviour logprobs only weight the tokens, see `tis_cap`); how its
+    logprobs are obtained: `proximal`. rollout: the server's (behaviour) logprobs from the records
+    (standard PPO around the sampling policy; no extra pass, no importance weight)."""
+    proximal: Literal["recompute", "interpolate"] = "recompute"
+    """old_logprobs=recompute: how the proximal logprobs are obtained. recompute: the learner's own
+    forward pass with the step's starting weights (skipped when one epoch of one mini-batch makes them
+    the loss pass's own, detached). interpolate: no forward pass; per token, log-linear interpolation
+    between the behaviour logprob (version v) and the current policy's (counted as version s) at the
+    proximal version s-1 (AReaL's approximation): old = behav + (lag / (lag + 1)) * (logp - behav),
+    lag = (s - 1) - v. Needs `token_versions` in the records (asynchronous rollouts)."""
     tis_cap: float | None = Field(default=2.0, gt=1)
-    """Truncated importance sampling cap for the rollout/learner mismatch (see losses.py for exactly
-    how it is used in each old_logprobs mode). None disables the correction."""
+    """Truncated importance sampling: each token's loss is multiplied by the detached weight
+    min(pi_proximal / pi_behaviour, tis_cap), which corrects for tokens sampled by other weights
+    (staleness) or another engine (rollout/learner mismatch). Used with old_logprobs=recompute (with
+    rollout the ratio already is pi / pi_behaviour). None = no weight."""
+    mask_ratio_low: float | None = Field(default=None, ge=0, lt=1)
+    """old_logprobs=recompute: tokens whose pi_proximal / pi_behaviour is below this are masked out of the
+    loss (they contribute nothing; the aggregation denominators still count them). None = off."""
+    mask_ratio_high: float | None = Field(default=None, gt=1)
+    """old_logprobs=recompute: tokens whose pi_proximal / pi_behaviour is above this are masked out of the
+    loss, like `mask_ratio_low`. None = off."""
+    dual_clip: float | None = Field(default=None, gt=1)
+    """Dual-clip PPO (Ye et al. 2020), in every mode: for A < 0 the per-token policy loss is capped at
+    -A * dual_clip, so a token whose ratio exploded cannot dominate the step. None = off."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of the rollouts; learner logits are divided by it so logprobs match."""
 
@@ -53,6 +87,17 @@ class AlgoConfig(_Section):
     def _check(self) -> "AlgoConfig":
         if self.clip_ratio_low >= 1:
             raise ValueError("clip_ratio_low must be < 1")
+        if self.estimator == "reinforce_pp" and self.drop_zero_variance_groups:
+            raise ValueError("algo.estimator=reinforce_pp with algo.drop_zero_variance_groups=true: REINFORCE++ "
+                             "whitens rewards over the whole batch, so a group of equal rewards still has "
+                             "non-zero advantages and dropping it would drop real signal; set one of them otherwise")
+        if self.old_logprobs == "rollout":
+            if self.proximal != "recompute":
+                raise ValueError(f"algo.proximal={self.proximal!r} needs algo.old_logprobs=recompute (with rollout "
+                                 "the ratio's denominator is the behaviour policy itself)")
+            if self.mask_ratio_low is not None or self.mask_ratio_high is not None:
+                raise ValueError("algo.mask_ratio_low/high need algo.old_logprobs=recompute (they threshold "
+                                 "pi_proximal / pi_behaviour)")
         return self
 
 
@@ -66,7 +111,8 @@ class LearnerConfig(_Section):
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW decoupled weight decay."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Training steps of linear warmup from 0 to `lr`."""
+    """Training steps of linear warmup from 0 to `lr`; clipped to `total_steps` when that is smaller
+    (the learner says so in its log), so a short run still reaches `lr` at its last step."""
     schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warmup: constant, or cosine decay to `min_lr_ratio * lr` at `total_steps`."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
@@ -78,11 +124,44 @@ class LearnerConfig(_Section):
     micro_batch_tokens: int = Field(default=8192, ge=1)
     """Token budget of one forward/backward: sequences are packed greedily until their summed
     lengths would exceed it (a longer sequence gets a micro-batch of its own)."""
+    attention: Literal["auto", "flex", "packed_sdpa", "padded"] = "auto"
+    """How a micro-batch is laid out and how attention sees its sequence boundaries
+    (agentloop.train.batching, agentloop.train.attention). flex: one packed row without padding,
+    position ids per sequence, FlexAttention with a block mask (whole blocks of masked pairs are
+    skipped, so shared-prompt rows cost no masked-pair FLOPs); CUDA only (FlexAttention has no CPU
+    backward). packed_sdpa: the same packed row, SDPA with a dense boolean mask (any device; the mask is
+    micro_batch_tokens^2). padded: a row per episode (or per shared prompt), right-padded, SDPA with a
+    2-D or 4-D mask. auto: flex on CUDA, padded on CPU."""
     share_prompt: Literal["auto", "on", "off"] = "auto"
     """Episodes with identical prompt tokens (a GRPO group) share one row: the prompt runs through the
-    model once, then each response attends to it through a 4-D mask (agentloop.train.batching). Same
-    logprobs and gradients, less compute when prompts are long and responses short, but the row's
-    attention is dense. auto: share where the FLOP model says it is cheaper; on: always; off: never."""
+    model once, then each response attends to it and to itself only (agentloop.train.batching). Same
+    logprobs and gradients, fewer tokens computed. auto: with attention=flex always (the block mask
+    skips the masked pairs, so sharing is never more work); with padded/packed_sdpa where the FLOP
+    model says the dense row is cheaper; on: always; off: never."""
+    logprob_chunk_tokens: int = Field(default=2048, ge=1)
+    """Log-probabilities (and entropy) are computed from the final hidden states this many tokens at a
+    time, the LM head's matmul included, and recomputed chunk by chunk in the backward pass, so no
+    [tokens x vocabulary] float32 tensor ever exists (peak extra memory ~ 3 * chunk * vocab * 4 bytes)."""
+    fuse_logprob_head: bool = True
+    """On CUDA, each chunk's logprob/entropy math runs through torch.compile: one or two fused passes over
+    the chunk's logits instead of about eight elementwise ones (falls back to eager if compiling fails)."""
+    pad_packed_to_budget: bool = False
+    """Packed layouts: pad every micro-batch to exactly micro_batch_tokens, so every forward has one shape
+    (FlexAttention and compiled layers compile once, without dynamic shapes) at the cost of computing the
+    padding of the last micro-batches. False: pad each to a multiple of 128 only."""
+    entropy_metric: bool = True
+    """Compute the policy's entropy for the actor/entropy metric even when entropy_coef = 0 (one more
+    pass over each chunk's logits in the loss pass, no gradient). False: only when entropy_coef > 0."""
+    compile: bool = False
+    """torch.compile each decoder layer (dynamic shapes; the first steps pay the compile time). The flex
+    attention kernel is compiled either way."""
+    checkpoint_async: Literal["auto", "on", "off"] = "auto"
+    """on: write resumable checkpoints in the background (torch.distributed.checkpoint.async_save): training
+    waits only for the copy of the state to host memory, the files are written while the next steps run,
+    and the checkpoint is renamed into place (atomic, as a synchronous one) as soon as it is complete. A
+    kill before that leaves the previous checkpoint the latest, so a resume may redo one step more than
+    with off. off: the step waits for the whole save (update.done of a checkpoint step follows it).
+    auto: on for a CUDA learner, off on CPU (where copy, write and training share the same cores)."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each step's batch."""
     mini_batches: int = Field(default=1, ge=1)
@@ -100,7 +179,8 @@ class LearnerConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the learner runs. auto: cuda if a GPU is visible, else cpu."""
     checkpoint_every: int | None = Field(default=None, ge=1)
-    """Save a resumable checkpoint (model, optimizer, step, data position, RNG) every N steps; None = never."""
+    """Save a resumable checkpoint (model, optimizer, step, data position, RNG) every N steps; None (null)
+    = never: the learner then writes no checkpoint at all and a killed run starts over."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """Complete checkpoints kept; older ones are deleted after a new one is complete."""
     keep_weights: int | None = Field(default=3, ge=1)
@@ -108,7 +188,7 @@ class LearnerConfig(_Section):
     seed: int = 0
     """Seed of torch/numpy/python RNGs (each rank adds its rank)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)."""
     poll_s: float = Field(default=0.5, gt=0)
     """Mailbox: how often rank 0 looks for the next batch."""
     batch_timeout_s: float = Field(default=3600.0, gt=0)
@@ -119,8 +199,9 @@ class LearnerConfig(_Section):
     shared filesystem). tensor: rank 0 passes CUDA IPC handles to /update_weights_from_tensor (servers
     on the learner's host, able to see its GPU). nccl: rank 0 broadcasts to the servers over a NCCL group
     (/init_weights_update_group + /update_weights_from_distributed; servers on any GPU the learner can
-    reach over TCP). tensor and nccl need a GPU learner, push while the orchestrator holds the servers
-    paused, and still save HF weights at checkpoint steps so a resumed run can reload its servers."""
+    reach over TCP). tensor and nccl need a GPU learner and push while the orchestrator holds the servers
+    paused; they save no HF weights while training (a learner that resumes from checkpoint C writes
+    weights/step-C before it reports ready, so the orchestrator can reload its servers)."""
     weight_sync_bucket_mb: float = Field(default=512.0, gt=0)
     """tensor/nccl: MiB of weights per server call (one flattened bucket; rank 0 holds one bucket of
     gathered weights at a time). A tensor larger than this goes alone."""
@@ -133,7 +214,7 @@ class LearnerConfig(_Section):
     """tensor/nccl: deadline of each call to a server, of the NCCL group's rendezvous and collectives,
     and of rank 0's wait for the orchestrator to pause the servers."""
 
-    @field_validator("share_prompt", mode="before")
+    @field_validator("share_prompt", "checkpoint_async", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
         # YAML reads a bare on/off as a boolean.
@@ -143,8 +224,9 @@ class LearnerConfig(_Section):
     def _check(self) -> "LearnerConfig":
         if self.schedule == "cosine" and self.total_steps is None:
             raise ValueError("schedule='cosine' needs total_steps")
-        if self.total_steps is not None and self.warmup_steps > self.total_steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) > total_steps ({self.total_steps})")
+        if self.attention == "flex" and self.device == "cpu":
+            raise ValueError("learner.attention=flex needs a CUDA learner (FlexAttention has no CPU backward); "
+                             "use packed_sdpa or padded on CPU")
         if self.weight_sync != "disk" and self.device == "cpu":
             raise ValueError(f"weight_sync={self.weight_sync!r} needs a GPU learner (device cuda or auto)")
         return self

@@ -7,7 +7,9 @@ is only a target) in a model with L layers and hidden size H:
     training pass (forward + backward)   6*N*S + 12*L*H*S^2
     forward-only pass                    2*N*S +  4*L*H*S^2
 The attention term is the QK^T and AV matmuls without causal halving, as in PaLM (so does MFU in
-most reports).
+most reports). A row that shares a prompt of p positions among responses of k_i positions counts the
+pairs its episodes need, the prompt's own once: p^2 + sum((p + k_i)^2 - p^2) (the learner's
+batch/computed_tokens_sq); pairs a dense mask computes but masks out are work, not model FLOPs.
     MFU = step FLOPs / step wall time / (ranks * peak dense bf16 FLOP/s per GPU)
 """
 
@@ -60,8 +62,9 @@ def step_flops(n_params: int, layers: int, hidden: int, seq_lens: list[int], *, 
 
 def step_flops_from_sums(n_params: int, layers: int, hidden: int, tokens: float, tokens_sq: float, *,
                          train_passes: int = 1, forward_passes: int = 0) -> dict[str, float]:
-    """`step_flops` from the sum of row lengths and the sum of their squares (the FLOP model is
-    linear in both), for rows that are not one sequence each (shared prompts)."""
+    """`step_flops` from the sum of row lengths and the attention term (sum of squared sequence lengths,
+    a shared prompt's own pairs once; the FLOP model is linear in both), for rows that are not one
+    sequence each (shared prompts)."""
     train = train_passes * (6.0 * n_params * tokens + 12.0 * layers * hidden * tokens_sq)
     fwd = forward_passes * (2.0 * n_params * tokens + 4.0 * layers * hidden * tokens_sq)
     return {"train": train, "forward": fwd, "total": train + fwd}

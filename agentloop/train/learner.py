@@ -23,20 +23,34 @@ step fails (update.failed written, exit 1) or no batch arrives within
 RUN_DIR/learner_config.json.
 
 Map:
-    lr_at                  warmup + constant/cosine schedule, a pure function of the step
+    lr_at                  warmup (clipped to total_steps) + constant/cosine schedule, a pure function of the step
     init_distributed       join torchrun's process group, or make a single-rank one
-    Learner                model + optimizer (+ reference); compute_logprobs, train_step,
-                           save_hf, save_checkpoint, load_checkpoint, close; its micro-batches
-                           share a GRPO group's prompt per row where `flops.row_cost` says it pays
+    Learner                model + optimizer (+ reference); compute_logprobs, train_step, save_hf,
+                           save_checkpoint (sync or background), poll/wait_checkpoint, load_checkpoint, close
     serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
     _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
     main                   the command line (learner_process.learner_command builds it)
 
-Who calls whom: serve -> Learner -> batching / losses / checkpoint; serve -> weight_sync (pushes);
-Learner never touches the mailbox, so it is the API for an in-process trainer too.
+Who calls whom: serve -> Learner -> batching / attention / logprobs / losses / checkpoint; serve ->
+weight_sync (pushes); Learner never touches the mailbox, so it is the API for an in-process trainer too.
 
-Simplified: every rank loads the full HF model on CPU before sharding (no meta-device init);
-logits are materialised for a whole micro-batch in float32 (size micro_batch_tokens x vocab).
+How a step runs (train_step):
+  * Model loading: rank 0 reads the HF weights once (float32, host); every rank builds the model on the
+    meta device, shards it (FSDP2 `fully_shard` per decoder layer, then the root; bf16 compute with
+    float32 master weights and reductions on GPU) and receives its shards from rank 0.
+  * Layout (learner.attention): on CUDA, micro-batches are packed rows without padding, each sequence
+    with its own position ids, attention through a FlexAttention block mask that also expresses shared
+    prompts block-sparsely (agentloop.train.attention); on CPU, padded rows (or packed ones with a dense
+    mask). The model is checked to run an attention implementation that applies that mask.
+  * Logprobs and entropy come from the final hidden states through agentloop.train.logprobs, in chunks:
+    no [tokens x vocab] float32 tensor exists, in the forward or the backward pass.
+  * Losses and metrics accumulate on the device; the host reads them once per optimizer step (the
+    gradient norm) and once at the end.
+  * Old (proximal) logprobs: the loss pass's own when the weights have not moved yet, else a no-grad
+    forward pass (algo.proximal=recompute) or AReaL's interpolation from the token versions
+    (algo.proximal=interpolate).
+  * Checkpoints (serve, learner.checkpoint_async): written in the background; the next optimizer step
+    waits only for the copy of the state.
 """
 
 from __future__ import annotations
@@ -53,7 +67,6 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.train.config import AlgoConfig, LearnerConfig
-from agentloop.train.flops import row_cost
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
 __all__ = [
@@ -71,13 +84,15 @@ __all__ = [
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
-    """Learning rate of training step `step` (1-based): linear warmup, then constant or cosine."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
+    """Learning rate of training step `step` (1-based): linear warmup (clipped to total_steps), then
+    constant or cosine."""
+    warmup = min(cfg.warmup_steps, cfg.total_steps) if cfg.total_steps is not None else cfg.warmup_steps
+    if warmup and step <= warmup:
+        return cfg.lr * step / warmup
     if cfg.schedule == "constant":
         return cfg.lr
     total = cfg.total_steps or step
-    progress = min(max((step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1), 0.0), 1.0)
+    progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -147,15 +162,22 @@ class Learner:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         from agentloop.train.advantages import get_estimator
+        from agentloop.train.attention import register_flex, resolve_attention
 
         self.algo = algo or AlgoConfig()
         self.cfg = cfg or LearnerConfig()
         get_estimator(self.algo.estimator)  # an unknown name fails before the model loads
         self.model_path = Path(model_path)
         self.device_type = resolve_device(self.cfg)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        hc = self.hf_config
+        head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+        self.attention = resolve_attention(self.cfg.attention, self.device_type, head_dim)
+        if self.attention == "flex":
+            register_flex()
         self._owns_group = init_distributed(self.cfg, self.device_type)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -170,31 +192,116 @@ class Learner:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.pad_id = self.hf_config.pad_token_id if isinstance(self.hf_config.pad_token_id, int) else 0
         self.mesh = init_device_mesh(self.device_type, (self.world,))
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation="sdpa")
-        if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        self.row_cost = row_cost(model)
-        self.model = self._shard(model, mixed=self.compute_dtype != torch.float32)
-        self.model.train()
+        self.notes: list[str] = []
+        """Things the learner decided that a user should know (printed by `serve`)."""
+        if self.cfg.total_steps is not None and self.cfg.warmup_steps > self.cfg.total_steps:
+            self.notes.append(f"learner.warmup_steps {self.cfg.warmup_steps} > learner.total_steps "
+                              f"{self.cfg.total_steps}: warmup clipped to {self.cfg.total_steps} steps")
+        # Rank 0 reads the weights once (float32, on the host); every rank builds its model on the meta
+        # device, shards it, and receives its shards from rank 0 (no full copy on the other ranks).
+        src = self._load_source() if self.rank == 0 else None
+        self.model = self._build(src, dtype=torch.float32, trainable=True)
+        from agentloop.train.flops import flop_params, peak_tflops, row_cost
+
+        self.row_cost = row_cost(self.model)
+        self.n_params = flop_params(self.model)
+        self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device_type == "cuda" else None
         self.ref_model = None
         if self.algo.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.compute_dtype,
-                                                       attn_implementation="sdpa")
-            ref.requires_grad_(False)
-            self.ref_model = self._shard(ref, mixed=False)
-            self.ref_model.eval()
+            self.ref_model = self._build(src, dtype=self.compute_dtype, trainable=False)
+        del src
+        from agentloop.train.logprobs import LogprobHead
+
+        self._heads = {id(self.model): LogprobHead(self.model)}
+        if self.ref_model is not None:
+            self._heads[id(self.ref_model)] = LogprobHead(self.ref_model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps,
             weight_decay=self.cfg.weight_decay,
         )
+        self._ckpt = None  # CheckpointWriter, created at the first background save
         self.step = 0
         """Last training step applied to the weights (0 = none)."""
 
-    def _shard(self, model, *, mixed: bool):
+    # model construction ------------------------------------------------------------------------
+    def _load_source(self) -> dict[str, Any]:
+        """Rank 0: the HF model's float32 state dict and the tensors a meta-built model lacks (buffers
+        that are not in the state dict, such as rotary frequencies, and tensor attributes)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        src = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation="sdpa")
+        extras = {f"{mn}.{an}" if mn else an: t.detach().clone()
+                  for mn, mod in src.named_modules() for an, t in vars(mod).items() if isinstance(t, torch.Tensor)}
+        extras.update({f"buffer:{n}": b.detach().clone() for n, b in src.named_buffers()})
+        return {"state": src.state_dict(), "extras": extras}
+
+    def _build(self, src: dict[str, Any] | None, *, dtype: Any, trainable: bool):
+        """Collective: the model on the meta device, sharded, materialized on this rank's device, filled from
+        rank 0's `src` (None on the other ranks)."""
+        import copy
+
+        import torch
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+        from transformers import AutoModelForCausalLM
+
+        from agentloop.train.attention import check_attn_impl, model_attn_impl
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(self.hf_config), dtype=dtype,
+                                                     attn_implementation=model_attn_impl(self.attention))
+        check_attn_impl(model, self.attention)
+        model.config.use_cache = False
+        if trainable and self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not trainable:
+            model.requires_grad_(False)
+        layers = self._layers(model)  # before sharding renames their classes (FSDPQwen2DecoderLayer)
+        model = self._shard(model, mixed=trainable and self.compute_dtype != torch.float32, trainable=trainable)
+        model.to_empty(device=self.device)
+        state = {} if src is None else {k: v.to(dtype) for k, v in src["state"].items()}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
+                                                                    broadcast_from_rank0=self.world > 1))
+        extras = _bcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
+        self._fill_extras(model, extras)
+        if trainable and self.cfg.compile:
+            for layer in layers:
+                layer.compile()
+        model.train(trainable)
+        return model
+
+    def _fill_extras(self, model, extras: dict[str, Any]) -> None:
+        """Buffers and tensor attributes that `to_empty` left uninitialized, from rank 0's loaded model."""
+        import torch
+
+        mods = dict(model.named_modules())
+        for name, t in extras.items():
+            if name.startswith("buffer:"):
+                mn, _, bn = name[len("buffer:"):].rpartition(".")
+                buf = mods[mn]._buffers.get(bn)
+                if buf is not None and not isinstance(buf, torch.distributed.tensor.DTensor):
+                    with torch.no_grad():
+                        buf.copy_(t.to(buf.dtype))
+            else:
+                mn, _, an = name.rpartition(".")
+                mod = mods.get(mn)
+                if mod is not None and isinstance(vars(mod).get(an), torch.Tensor):
+                    setattr(mod, an, t.to(self.device))
+
+    @staticmethod
+    def _layers(model) -> list:
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        layers = [m for m in model.modules() if type(m).__name__ in blocks]
+        if not layers:
+            raise ValueError(f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={blocks})")
+        return layers
+
+    def _shard(self, model, *, mixed: bool, trainable: bool = True):
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -202,23 +309,33 @@ class Learner:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
-        blocks = set(getattr(model, "_no_split_modules", None) or ())
-        layers = [m for m in model.modules() if type(m).__name__ in blocks]
-        if not layers:
-            raise ValueError(f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={blocks})")
-        for layer in layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
+        # One rank: keep the layers' gathered parameters from the forward for the backward (no second
+        # gather); several: free them after the forward (memory scales with the model, not the world).
+        reshard = self.world > 1 or not trainable
+        for layer in self._layers(model):
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         return model
 
     # forward ---------------------------------------------------------------------------------
     def _plan(self, eps, idxs):
         """This rank's micro-batches of episodes[idxs] (token budget, shared prompts per config)."""
+        from agentloop.train.attention import BLOCK
         from agentloop.train.batching import plan_micro_batches
 
+        share = self.cfg.share_prompt
+        if share == "auto" and self.attention == "flex":
+            share = "on"  # block-sparse: a shared row computes no masked pairs, so it never costs more
+        packed = self.attention in ("flex", "packed_sdpa")
+        pad = 1
+        if packed and self.cfg.pad_packed_to_budget:
+            pad = self.cfg.micro_batch_tokens
+        elif self.attention == "flex":
+            pad = BLOCK
         return plan_micro_batches(eps, idxs, self.algo.loss_agg_mode, budget=self.cfg.micro_batch_tokens,
                                   rank=self.rank, world=self.world, pad_id=self.pad_id,
-                                  share=self.cfg.share_prompt, cost=self.row_cost)
+                                  share=share, cost=self.row_cost, layout="packed" if packed else "padded",
+                                  pad_multiple=pad)
 
     def _reshard(self) -> None:
         """Free every FSDP2 unsharded parameter, so the next forward gathers them afresh."""
@@ -227,21 +344,23 @@ class Learner:
                 m.reshard()
 
     def _forward(self, model, mb, *, entropy: bool, entropy_grad: bool):
-        """(logp, entropy or None) of mb's targets, Tensor[b, L] float32."""
-        import torch
+        """(logp, entropy or None) of mb's targets, Tensor[b, L] float32, without [L x vocab] tensors."""
+        from agentloop.train.attention import mask_for
 
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                    use_cache=False)
-        logits = out.logits.float()
-        if self.algo.temperature != 1.0:
-            logits = logits / self.algo.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-        ent = None
-        if entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = -(logp_all.exp() * logp_all).sum(-1)
-        return logp, ent
+        head = self._heads[id(model)]
+        mask = mask_for(mb, self.attention, self.device)
+        with head.use(mb.targets, entropy=entropy, entropy_grad=entropy_grad, temperature=self.algo.temperature,
+                      chunk=self.cfg.logprob_chunk_tokens,
+                      fused=self.cfg.fuse_logprob_head and self.device_type == "cuda"):
+            out = model(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, use_cache=False)
+        res = out.logits
+        return res[..., 0], (res[..., 1] if entropy else None)
+
+    def _episodes(self, records) -> list:
+        from agentloop.train.batching import Episode
+
+        return [Episode(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids), list(r.response_mask),
+                        list(r.response_logprobs), 0.0, 0.0) for r in records]
 
     def compute_logprobs(self, records) -> list[list[float]]:
         """Current-policy logprobs of each record's response tokens (0.0 on mask-0 tokens).
@@ -251,16 +370,16 @@ class Learner:
         import torch
         import torch.distributed as dist
 
-        from agentloop.train.batching import Episode
-
-        eps = [Episode(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids), list(r.response_mask),
-                       list(r.response_logprobs), 0.0, 0.0) for r in records]
+        eps = self._episodes(records)
         result: dict[int, list[float]] = {}
         with torch.no_grad():
+            outs = []
             for mb in self._plan(eps, list(range(len(eps)))):
                 mb.to(self.device)
                 logp, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
-                logp = (logp * mb.loss_mask).cpu()
+                outs.append((mb, logp * mb.loss_mask))
+            for mb, logp in outs:  # one read-back per micro-batch, after every forward is queued
+                logp = logp.cpu()
                 for i, (row, s, k) in zip(mb.episode_ids, mb.spans):
                     result[i] = logp[row, s:s + k].tolist()
         self._reshard()  # see train_step: no-grad gathered params must not serve a later loss pass
@@ -272,18 +391,31 @@ class Learner:
         return [result[i] for i in range(len(eps))]
 
     # training --------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        import torch
+
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def train_step(self, records, step: int) -> dict[str, float]:
         """One training step on `records` (every rank passes the same full list); returns metrics.
 
         Failed and unscored records are excluded; advantages per (step, index) group; then
         `ppo_epochs` x `mini_batches` optimizer steps. Metric names: batch/*, reward/*, adv/*,
-        actor/*, mismatch/*, time/*, perf/*.
+        actor/*, mismatch/*, async/*, time/*, perf/*. Losses and metrics stay on the device until the
+        step's end: the host waits for the device once per optimizer step (the gradient norm decides
+        whether to step) and once at the end.
         """
         import torch
         import torch.distributed as dist
 
-        from agentloop.train.batching import mini_batch_indices, prepare_episodes
-        from agentloop.train.losses import Stats, policy_loss
+        from agentloop.train.batching import (
+            kl_reward_advantages,
+            mini_batch_indices,
+            prepare_episodes,
+            staleness_metrics,
+        )
+        from agentloop.train.losses import Stats, interpolate_proximal, policy_loss
 
         t0 = time.perf_counter()
         algo, cfg = self.algo, self.cfg
@@ -292,10 +424,18 @@ class Learner:
         lr = lr_at(step, cfg)
         metrics: dict[str, float] = dict(prepared.metrics)
         metrics["actor/lr"] = lr
+        metrics.update(staleness_metrics(eps, step))
         if not eps:
             self.step = step
             metrics["actor/skipped"] = 1.0
             return metrics
+        interpolate = algo.old_logprobs == "recompute" and algo.proximal == "interpolate"
+        if interpolate:
+            for i, e in enumerate(eps):
+                if e.versions is None or any(m and v < 0 for m, v in zip(e.response_mask, e.versions)):
+                    raise ValueError(f"algo.proximal=interpolate needs the weight version of every model token "
+                                     f"(token_versions, from asynchronous rollouts); episode {i} of step {step} "
+                                     "has none or some unknown")
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         minis = mini_batch_indices(len(eps), cfg.mini_batches, seed=cfg.seed * 1_000_003 + step)
@@ -306,8 +446,9 @@ class Learner:
 
         t1 = time.perf_counter()
         recompute = algo.old_logprobs == "recompute"
-        old_pass = old_logprob_pass(algo, cfg)
-        on_policy = recompute and not old_pass
+        moves = old_logprob_pass(algo, cfg)  # the weights move before the last loss pass
+        old_pass = moves and not interpolate
+        kl_reward = algo.kl_coef > 0 and algo.kl_type == "k1_reward"
         if old_pass or self.ref_model is not None:
             with torch.no_grad():
                 for mbs in plans:
@@ -322,26 +463,46 @@ class Learner:
             # gradient came out wrong (test_on_policy_step_skips_...: 14-57% off an unsharded reference).
             # The reference model is never trained, so its no-grad pass needs no reshard.
             self._reshard()
+        self._sync()
 
         t2 = time.perf_counter()
         stats = Stats()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        losses: list[float] = []
+        losses: list[Any] = []
         grad_norms: list[float] = []
         skipped = 0
+        want_entropy = algo.entropy_coef > 0 or cfg.entropy_metric
         want_entropy_grad = algo.entropy_coef > 0
+        first_pass = True  # the weights are still the step's starting (proximal) ones
         for _epoch in range(cfg.ppo_epochs):
             for mbs in plans:
                 self.optimizer.zero_grad(set_to_none=True)
-                part = 0.0
+                part = None
                 for j, mb in enumerate(mbs):
                     self.model.set_requires_gradient_sync(j == len(mbs) - 1)
-                    logp, ent = self._forward(self.model, mb, entropy=True, entropy_grad=want_entropy_grad)
-                    old = (logp.detach() if on_policy else mb.old_logprobs) if recompute else mb.rollout_logprobs
-                    out = policy_loss(logp, old, mb.advantages, mb.loss_mask, mb.weights, algo,
+                    logp, ent = self._forward(self.model, mb, entropy=want_entropy, entropy_grad=want_entropy_grad)
+                    if not recompute:
+                        old = mb.rollout_logprobs
+                    elif first_pass:
+                        old = logp.detach()  # exact: no update has happened yet in this step
+                    elif interpolate:
+                        old = interpolate_proximal(mb.rollout_logprobs, logp, (step - 1) - mb.versions)
+                    else:
+                        old = mb.old_logprobs
+                    if recompute and mb.versions is not None and mb.old_logprobs is not None:
+                        # how far AReaL's interpolation is from the recomputed proximal logprobs
+                        approx = interpolate_proximal(mb.rollout_logprobs, logp, (step - 1) - mb.versions)
+                        known = (mb.loss_mask > 0) & (mb.versions >= 0)
+                        stats.add_mean("mismatch/interpolate_abs_err", ((approx - old).abs() * known).sum(),
+                                       known.sum())
+                    adv = mb.advantages
+                    if kl_reward:
+                        adv, pen = kl_reward_advantages(mb, adv, old, mb.ref_logprobs, algo.kl_coef)
+                        stats.add_mean("actor/kl_penalty", pen.sum() / algo.kl_coef, mb.loss_mask.sum())
+                    out = policy_loss(logp, old, adv, mb.loss_mask, mb.weights, algo,
                                       rollout_logp=mb.rollout_logprobs, ref_logp=mb.ref_logprobs, entropy=ent)
                     (out.loss * self.world).backward()
-                    part += float(out.loss.detach())
+                    part = out.loss.detach() if part is None else part + out.loss.detach()
                     stats.merge(out.stats)
                 losses.append(part)
                 max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
@@ -349,28 +510,33 @@ class Learner:
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 norm = float(norm)
                 grad_norms.append(norm)
+                if self._ckpt is not None:
+                    self._ckpt.wait_staged()  # a background checkpoint must have copied the weights first
                 if math.isfinite(norm):
                     self.optimizer.step()
                 else:
                     skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
+                first_pass = False
         self.model.set_requires_gradient_sync(True)
+        self._sync()
         t3 = time.perf_counter()
 
         stats.all_reduce()
-        loss_t = torch.tensor(losses, dtype=torch.float64,
-                              device=self.device if dist.get_backend() == "nccl" else None)
+        loss_t = torch.stack([x.to(torch.float64) for x in losses])
         if self.world > 1:
             dist.all_reduce(loss_t)
         losses = loss_t.tolist()
         # What the forward passes computed (each prompt once per shared row), summed over ranks.
-        lens = [n for mbs in plans for mb in mbs for n in mb.row_lengths]
-        work = torch.tensor([float(sum(lens)), float(sum(n * n for n in lens)),
-                             float(sum(mb.shared_rows for mbs in plans for mb in mbs))], dtype=torch.float64,
+        all_mbs = [mb for mbs in plans for mb in mbs]
+        work = torch.tensor([float(sum(sum(mb.row_lengths) for mb in all_mbs)),
+                             float(sum(sum(mb.row_attn_sq) for mb in all_mbs)),
+                             float(sum(mb.shared_rows for mb in all_mbs)),
+                             float(sum(mb.input_ids.numel() for mb in all_mbs))], dtype=torch.float64,
                             device=loss_t.device)
         if self.world > 1:
             dist.all_reduce(work)
-        computed, computed_sq, shared_rows = work.tolist()
+        computed, computed_sq, shared_rows, padded = work.tolist()
         metrics.update(stats.result())
         metrics["actor/loss"] = sum(losses) / len(losses)
         n_mb = len(minis)
@@ -381,14 +547,30 @@ class Learner:
         metrics["actor/grad_norm_max"] = max(grad_norms)
         metrics["actor/optimizer_steps"] = float(len(grad_norms) - skipped)
         metrics["actor/skipped_nonfinite"] = float(skipped)
-        metrics["actor/micro_batches"] = float(sum(len(m) for m in plans))
+        metrics["actor/micro_batches"] = float(len(all_mbs))
         metrics["time/prepare_s"] = t1 - t0
         metrics["time/logprobs_s"] = t2 - t1
         metrics["time/update_s"] = t3 - t2
         episode_tokens = sum(e.length for e in eps)
         metrics["perf/tokens_per_s"] = episode_tokens * cfg.ppo_epochs / max(t3 - t0, 1e-9)
+        if self.device_type == "cuda":
+            metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        from agentloop.train.flops import step_flops_from_sums
+
+        hf = self.hf_config
+        fl = step_flops_from_sums(self.n_params, hf.num_hidden_layers, hf.hidden_size, computed, computed_sq,
+                                  train_passes=cfg.ppo_epochs,
+                                  forward_passes=int(old_pass) + int(self.ref_model is not None))
+        tflops = fl["total"] / max(t3 - t0, 1e-9) / self.world / 1e12
+        metrics["perf/model_tflop"] = fl["total"] / 1e12  # the FLOP model of agentloop.train.flops, all ranks
+        metrics["perf/tflops_per_device"] = tflops
+        if self.peak_tflops:
+            metrics["perf/mfu"] = tflops / self.peak_tflops
         metrics["batch/computed_tokens"] = computed
-        metrics["batch/computed_tokens_sq"] = computed_sq  # sum of squared row lengths: the attention FLOPs
+        # the attention term of the FLOP model (agentloop.train.flops): sum of S^2 per sequence, a shared
+        # prompt's pairs counted once
+        metrics["batch/computed_tokens_sq"] = computed_sq
+        metrics["batch/padded_tokens"] = padded  # positions the model ran, padding included
         metrics["batch/shared_rows"] = shared_rows  # rows holding a prompt and several responses
         metrics["batch/prompt_share_saving"] = 1.0 - computed / max(episode_tokens, 1)
         self.step = step
@@ -457,26 +639,59 @@ class Learner:
         return path
 
     def save_checkpoint(
-        self, root: str | Path, *, data_position: Any = None, extra: dict[str, Any] | None = None
+        self, root: str | Path, *, data_position: Any = None, extra: dict[str, Any] | None = None,
+        background: bool = False,
     ) -> Path:
-        """Collective: resumable checkpoint of `self.step` under root (see agentloop.train.checkpoint)."""
-        from agentloop.train.checkpoint import save_checkpoint
+        """Collective: resumable checkpoint of `self.step` under root (see agentloop.train.checkpoint).
 
-        return save_checkpoint(root, self.step, self.model, self.optimizer, data_position=data_position,
-                               extra=extra, keep=self.cfg.keep_checkpoints)
+        background=True: returns once the state is being copied; the files are written while training goes
+        on and the checkpoint appears (atomically) when `poll_checkpoint` / `wait_checkpoint` finalizes it.
+        """
+        from agentloop.train.checkpoint import CheckpointWriter, save_checkpoint
+
+        if not background:
+            self.wait_checkpoint()
+            return save_checkpoint(root, self.step, self.model, self.optimizer, data_position=data_position,
+                                   extra=extra, keep=self.cfg.keep_checkpoints)
+        if self._ckpt is None or self._ckpt.root != Path(root):
+            if self._ckpt is not None:
+                self._ckpt.close()
+            self._ckpt = CheckpointWriter(root, keep=self.cfg.keep_checkpoints, device_type=self.device_type)
+        return self._ckpt.save(self.step, self.model, self.optimizer, data_position=data_position, extra=extra)
+
+    def checkpoint_written_s(self) -> float | None:
+        """Finalize a background checkpoint whose files are written (local, never blocks); the seconds its
+        writing took when that happened now, else None."""
+        if self._ckpt is not None and self._ckpt.poll() is not None:
+            return self._ckpt.last_written_s
+        return None
+
+    def poll_checkpoint(self) -> Path | None:
+        """Finalize a background checkpoint whose files are written (local, never blocks); its path or None."""
+        return self._ckpt.poll() if self._ckpt is not None else None
+
+    def wait_checkpoint(self) -> Path | None:
+        """Block until a background checkpoint is complete and in place; its path or None."""
+        return self._ckpt.wait() if self._ckpt is not None else None
 
     def load_checkpoint(self, path: str | Path):
         """Collective: restore weights, optimizer, RNG and `self.step`; returns the CheckpointMeta."""
         from agentloop.train.checkpoint import load_checkpoint
 
+        self.wait_checkpoint()
         meta = load_checkpoint(path, self.model, self.optimizer)
         self.step = meta.step
         return meta
 
     def close(self) -> None:
-        """Free the models; destroy the process group if this Learner created it."""
+        """Finish a background checkpoint, free the models; destroy the process group if this Learner created it."""
         import torch.distributed as dist
 
+        if self._ckpt is not None:
+            try:
+                self._ckpt.close()
+            finally:
+                self._ckpt = None
         self.model = None
         self.ref_model = None
         self.optimizer = None
@@ -539,6 +754,9 @@ def serve(
             (Path(run_dir) / "learner_config.json").write_text(json.dumps(
                 {"algo": algo.model_dump(), "learner": cfg.model_dump(), "model": str(model_path),
                  "world_size": learner.world}, indent=1))
+        for note in learner.notes:
+            if rank == 0:
+                print(f"agentloop learner: {note}", file=sys.stderr, flush=True)
         ck = latest_checkpoint(paths.checkpoints) if (resume and rank == 0) else None
         ck = _bcast(str(ck) if ck else None, dev)
         data_position = None
@@ -546,12 +764,17 @@ def serve(
         if ck is not None:
             meta = learner.load_checkpoint(ck)
             data_position, resumed_step = meta.data_position, meta.step
+            if syncer is not None and not _bcast(paths.weights(meta.step).is_dir() if rank == 0 else None, dev):
+                # Pushing paths write no HF weights while training; the orchestrator reloads its servers
+                # from weights/step-C after a resume, so they are written now, once.
+                learner.save_hf(paths.weights(meta.step))
         next_step = learner.step + 1
         if box is not None:
             box.clear_after(learner.step)
             box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
                             data_position=data_position, world_size=learner.world)
         waited_since = time.monotonic()
+        ckpt_written: float | None = None  # seconds the last background checkpoint took, until reported
         while True:
             msg: Any = None
             if box is not None:
@@ -570,6 +793,11 @@ def serve(
                     msg = ("wait",)
             msg = _bcast(msg, dev)
             if msg[0] == "wait":
+                # a background checkpoint goes into place as soon as its files are written, also while the
+                # learner waits for a batch (a run killed during long rollouts keeps it)
+                written = learner.checkpoint_written_s()
+                if written is not None:
+                    ckpt_written = written
                 time.sleep(cfg.poll_s)
                 continue
             if msg[0] == "stop":
@@ -587,16 +815,23 @@ def serve(
                 if box is not None:
                     box.update_info(status="training", step=step)
                 metrics = learner.train_step(records, step)
-                ckpt_due = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                # checkpoint_every None (null) = never
+                ckpt_due = cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0
                 wdir = None
-                if syncer is None or ckpt_due:  # GPU pushes keep an HF copy at checkpoints, for resumes
+                if syncer is None:  # disk: the servers load this directory (pushing paths need none)
                     t = time.perf_counter()
                     wdir = learner.save_hf(paths.weights(step))
                     metrics["time/save_hf_s"] = time.perf_counter() - t
                 data_position = meta.get("data_position")
+                written = learner.checkpoint_written_s()
+                if written is not None or ckpt_written is not None:
+                    metrics["time/checkpoint_written_s"] = written if written is not None else ckpt_written
+                    ckpt_written = None
                 if ckpt_due:
-                    t = time.perf_counter()
-                    learner.save_checkpoint(paths.checkpoints, data_position=data_position)
+                    t = time.perf_counter()  # the part of the save the step waits for
+                    background = cfg.checkpoint_async == "on" or (cfg.checkpoint_async == "auto"
+                                                                   and learner.device_type == "cuda")
+                    learner.save_checkpoint(paths.checkpoints, data_position=data_position, background=background)
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
                 if syncer is not None:
                     metrics.update(_push_weights(learner, syncer, box, step, dev, cfg.weight_sync_timeout_s))

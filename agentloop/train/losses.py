@@ -3,10 +3,13 @@
 Map:
     token_weights   per-token weights w such that a mini-batch's loss = sum(w * per_token_loss)
     aggregate       the same for a whole batch held at once (the reference the tests compare to)
-    kl_estimate     k1 / k3 estimators of KL(pi || ref) from sampled-token logprobs
+    kl_estimate     k1 / k2 / k3 per-token KL terms from sampled-token logprobs (what each optimizes:
+                    AlgoConfig.kl_type)
+    interpolate_proximal   AReaL's log-linear proximal logprobs from behaviour + current + versions
     policy_loss     one micro-batch's weighted loss + Stats (clip fractions, ratio, KL, entropy,
-                    rollout/learner mismatch)
-    Stats           mean/max accumulators that merge across micro-batches and all-reduce across ranks
+                    behaviour/proximal mismatch, importance weights, masking)
+    Stats           mean/max accumulators that merge across micro-batches and all-reduce across ranks;
+                    they hold device tensors, so a step reads them back once (no host sync per micro-batch)
 
 Aggregation is linear in per-token losses: every mode is `sum_t w_t * l_t` over model tokens of
 a mini-batch, with w computed from the *mini-batch's* counts (not the micro-batch's), so summing
@@ -18,31 +21,32 @@ micro-batch losses gives the full mini-batch loss exactly:
 
 Sequences with no model token count in no denominator.
 
-Old logprobs and the rollout/learner mismatch (truncated importance sampling, TIS). With
-ratio r = exp(logp - old), A the advantage, the per-token policy loss is
+Three policies (decoupled PPO, Hilton et al. 2022; AReaL): the behaviour policy mu sampled the tokens
+(the records' logprobs: another engine, and in asynchronous training older weights), the proximal policy
+pi_prox is the trust region's centre, pi_theta is being trained. With ratio r = exp(logp - old) and A the
+advantage, the per-token policy loss is
 
-    pg = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    pg = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))     (then dual_clip, if set)
 
-and what `old` is depends on `AlgoConfig.old_logprobs`:
+and `old` depends on `AlgoConfig.old_logprobs`:
 
-  recompute  old = the learner's logprobs before the step's first update (pi_old). The
-             rollout engine sampled from mu (the server's logprobs), not pi_old, so each token's
-             pg is multiplied by the detached weight w = min(exp(old - rollout), tis_cap): the
-             truncated importance ratio pi_old / mu (only clipped above, as in the TIS recipe
-             of Yao et al. 2025). Mismatch metrics compare `old` with the rollout logprobs.
-  rollout    old = the rollout logprobs (mu). No extra forward pass; r = pi_theta / mu already
-             contains the mismatch and the PPO trust region is taken around mu. Here tis_cap
-             is a dual-clip bound (Ye et al. 2020): for A < 0 the loss is at most -A * tis_cap,
-             so a token whose ratio exploded (mismatch or drift) cannot dominate the step.
-             Mismatch metrics compare the current logprobs (detached) with the rollout ones,
-             which is exactly learner-vs-rollout on the first forward pass of a step.
-
-With tis_cap = None neither correction is applied (metrics are still reported).
+  recompute  old = pi_prox's logprobs: the learner's weights at the start of the step (a forward pass,
+             or the loss pass's own detached logprobs when the weights have not moved yet, or
+             `interpolate_proximal` with algo.proximal=interpolate). The behaviour/proximal mismatch is
+             handled per token with the detached weight w = pi_prox / mu: the loss is multiplied by
+             min(w, tis_cap) (truncated importance sampling, Yao et al. 2025), and tokens whose w lies
+             outside [mask_ratio_low, mask_ratio_high] are masked out. Mismatch metrics compare pi_prox
+             with mu.
+  rollout    old = mu. No extra forward pass; r = pi_theta / mu already contains the mismatch and the
+             trust region is taken around mu. No importance weight. Mismatch metrics compare the current
+             logprobs (detached) with mu, which is learner-vs-rollout on the first forward pass of a step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,34 +85,76 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAggMode) -> to
     return (values * token_weights(mask, mode).to(values.dtype)).sum()
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled from pi.
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str, *, value_max: float = 10.0) -> torch.Tensor:
+    """Per-token KL term from tokens sampled from pi, d = logp - ref_logp (see AlgoConfig.kl_type).
 
-    k1 = logp - ref_logp (unbiased, can be negative);
-    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0, lower variance).
+    k1 = d             value: unbiased for KL(pi||ref); expected gradient 0 (noise only)
+    k2 = d^2 / 2       expected gradient (on-policy): that of KL(pi||ref)
+    k3 = e^-d + d - 1  value: unbiased for KL(pi||ref), >= 0; expected gradient: that of KL(ref||pi);
+                       capped at `value_max` (zero gradient beyond), and -d is bounded before the exp so
+                       the capped region has a finite (zero) gradient, never inf * 0
+    k1_reward is k1 (it enters the reward, not the loss).
     """
-    if kl_type == "k1":
-        return logp - ref_logp
+    d = logp - ref_logp
+    if kl_type in ("k1", "k1_reward"):
+        return d
+    if kl_type == "k2":
+        return 0.5 * d * d
     if kl_type == "k3":
-        d = (ref_logp - logp).clamp(-20.0, 20.0)
-        return torch.exp(d) - d - 1.0
+        # Beyond these bounds the value already exceeds value_max (y - log y - 1 >= (y - 2) / 2 for y >= 2),
+        # so bounding x changes no value below the cap.
+        x = (-d).clamp(-(value_max + 1.0), math.log(2.0 * value_max + 2.0))
+        return (torch.exp(x) - x - 1.0).clamp(max=value_max)
     raise ValueError(f"unknown kl_type {kl_type!r}")
 
 
-@dataclass
+def interpolate_proximal(behav_logp: torch.Tensor, logp: torch.Tensor, lag: torch.Tensor) -> torch.Tensor:
+    """AReaL's log-linear proximal logprobs: behav + lag / (lag + 1) * (logp - behav), detached.
+
+    `lag` = (s - 1) - v per token (v: the version that sampled it, s: this step), >= 0; the current policy
+    counts as version s and the proximal one as s - 1, so alpha = (v_prox - v) / (v_theta - v).
+    A token of the proximal version itself (lag 0) gets its behaviour logprob.
+    """
+    lag = lag.to(torch.float32).clamp(min=0.0)
+    alpha = lag / (lag + 1.0)
+    behav = behav_logp.to(torch.float32)
+    return (behav + alpha * (logp.detach().to(torch.float32) - behav)).detach()
+
+
+Number = float | torch.Tensor
+
+
+def _add(a: Number | None, b: Number) -> Number:
+    return b if a is None else a + b
+
+
 class Stats:
-    """Token-weighted means and maxima, mergeable across micro-batches and ranks."""
+    """Token-weighted means and maxima, mergeable across micro-batches and ranks.
 
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
-    maxes: dict[str, float] = field(default_factory=dict)
+    Values may be device tensors: they stay on the device (adding them launches no sync) until
+    `result` or `all_reduce` reads everything back in one transfer.
+    """
 
-    def add_mean(self, name: str, total: float, count: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(total)
-        self.counts[name] = self.counts.get(name, 0.0) + float(count)
+    def __init__(self) -> None:
+        self.sums: dict[str, Number] = {}
+        self.counts: dict[str, Number] = {}
+        self.maxes: dict[str, Number] = {}
 
-    def add_max(self, name: str, value: float) -> None:
-        self.maxes[name] = max(self.maxes.get(name, -float("inf")), float(value))
+    def add_mean(self, name: str, total: Number, count: Number) -> None:
+        self.sums[name] = _add(self.sums.get(name), _detach(total))
+        self.counts[name] = _add(self.counts.get(name), _detach(count))
+
+    def add_max(self, name: str, value: Number) -> None:
+        value = _detach(value)
+        old = self.maxes.get(name)
+        if old is None:
+            self.maxes[name] = value
+        elif isinstance(old, torch.Tensor) or isinstance(value, torch.Tensor):
+            dev = value.device if isinstance(value, torch.Tensor) else old.device
+            self.maxes[name] = torch.maximum(torch.as_tensor(old, dtype=torch.float64, device=dev),
+                                             torch.as_tensor(value, dtype=torch.float64, device=dev))
+        else:
+            self.maxes[name] = max(old, value)
 
     def merge(self, other: "Stats") -> None:
         for k in other.sums:
@@ -116,10 +162,23 @@ class Stats:
         for k, v in other.maxes.items():
             self.add_max(k, v)
 
+    def materialize(self) -> None:
+        """Replace every tensor by a float, with one device-to-host copy per device."""
+        slots: list[tuple[dict[str, Any], str]] = [(d, k) for d in (self.sums, self.counts, self.maxes) for k in d
+                                                   if isinstance(d[k], torch.Tensor)]
+        by_dev: dict[Any, list[tuple[dict[str, Any], str]]] = {}
+        for d, k in slots:
+            by_dev.setdefault(d[k].device, []).append((d, k))
+        for group in by_dev.values():
+            vals = torch.stack([d[k].to(torch.float64).reshape(()) for d, k in group]).tolist()
+            for (d, k), v in zip(group, vals):
+                d[k] = float(v)
+
     def all_reduce(self, group=None) -> None:
         """Sum means and max maxima over ranks; every rank must hold the same keys."""
         import torch.distributed as dist
 
+        self.materialize()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
@@ -137,17 +196,26 @@ class Stats:
                 self.maxes[k] = float(m[i])
 
     def result(self) -> dict[str, float]:
-        out = {k: (self.sums[k] / self.counts[k] if self.counts[k] else 0.0) for k in self.sums}
-        out.update({k: (v if v != -float("inf") else 0.0) for k, v in self.maxes.items()})
+        self.materialize()
+        out = {k: (float(self.sums[k]) / float(self.counts[k]) if self.counts[k] else 0.0) for k in self.sums}
+        out.update({k: (float(v) if v != -float("inf") else 0.0) for k, v in self.maxes.items()})
         return out
+
+
+def _detach(x: Number) -> Number:
+    return x.detach() if isinstance(x, torch.Tensor) else float(x)
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor
     """This micro-batch's share of the mini-batch loss (differentiable scalar)."""
-    stats: Stats
-    """Metrics of this micro-batch, weighted by model-token counts."""
+    stats: Stats = field(default_factory=Stats)
+    """Metrics of this micro-batch, weighted by model-token counts (device tensors)."""
+
+
+def _masked_max(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, x, torch.full_like(x, -float("inf"))).max()
 
 
 def policy_loss(
@@ -165,49 +233,67 @@ def policy_loss(
     """Loss of one micro-batch; all inputs Tensor[B, T] aligned on the same tokens.
 
     logp: current logprobs (with grad); old_logp: the ratio's denominator (see module doc);
-    advantages: per-token advantages; mask: 1 = model token; weights: `token_weights` of the
-    mini-batch (zero off the mask); rollout_logp: the server's logprobs (for TIS and the
-    mismatch metrics; in rollout mode it is `old_logp`); ref_logp: frozen reference logprobs
-    (needed when kl_coef > 0); entropy: per-token entropy of the current policy (with grad when
-    entropy_coef > 0).
+    advantages: per-token advantages (with kl_type=k1_reward already lowered by the KL penalty's return);
+    mask: 1 = model token; weights: `token_weights` of the mini-batch (zero off the mask);
+    rollout_logp: the behaviour logprobs (for the importance weight, masking and the mismatch metrics; in
+    rollout mode it is `old_logp`); ref_logp: frozen reference logprobs (needed when kl_coef > 0);
+    entropy: per-token entropy of the current policy (with grad when entropy_coef > 0).
+    Nothing here reads a value back to the host.
     """
     f32 = torch.float32
     m = mask.to(torch.bool)
     mf = m.to(f32)
-    n_tok = float(mf.sum())
+    n_tok = mf.sum()
     w = weights.to(f32)
     adv = advantages.to(f32)
-    log_ratio = (logp - old_logp.to(f32)) * mf
+    old_logp = old_logp.to(f32)
+    log_ratio = (logp - old_logp) * mf
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     pg = torch.maximum(pg1, pg2)
     stats = Stats()
+    if cfg.dual_clip is not None:
+        dual = -adv * cfg.dual_clip
+        stats.add_mean("actor/dual_clip_frac", ((adv < 0) & (pg > dual) & m).sum(), n_tok)
+        pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
 
-    tis_w = None
     if cfg.old_logprobs == "recompute":
         if rollout_logp is not None:
-            raw_w = torch.exp(((old_logp - rollout_logp) * mf).to(f32).clamp(max=20.0)).detach()
+            # w = pi_prox / mu per token (detached): importance weight and masking threshold.
+            log_w = ((old_logp - rollout_logp.to(f32)) * mf).clamp(-20.0, 20.0).detach()
+            raw_w = torch.exp(log_w)
+            # k3 estimate of KL(mu || pi_prox) from tokens sampled by mu
+            stats.add_mean("mismatch/kl_behaviour_proximal", ((raw_w - 1.0 - log_w) * mf).sum(), n_tok)
             if cfg.tis_cap is not None:
                 tis_w = raw_w.clamp(max=cfg.tis_cap)
                 stats.add_mean("mismatch/tis_weight_mean", (tis_w * mf).sum(), n_tok)
                 stats.add_mean("mismatch/tis_capped_frac", ((raw_w > cfg.tis_cap) & m).sum(), n_tok)
                 pg = pg * tis_w
+            if cfg.mask_ratio_low is not None or cfg.mask_ratio_high is not None:
+                out = torch.zeros_like(m)
+                if cfg.mask_ratio_low is not None:
+                    out |= raw_w < cfg.mask_ratio_low
+                if cfg.mask_ratio_high is not None:
+                    out |= raw_w > cfg.mask_ratio_high
+                out &= m
+                stats.add_mean("mismatch/masked_frac", out.sum(), n_tok)
+                pg = torch.where(out, torch.zeros_like(pg), pg)
     else:
         rollout_logp = old_logp
-        if cfg.tis_cap is not None:
-            dual = -adv * cfg.tis_cap
-            use_dual = (adv < 0) & (pg > dual)
-            stats.add_mean("actor/dual_clip_frac", (use_dual & m).sum(), n_tok)
-            pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
 
     per_token = pg
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")
-        kl = kl_estimate(logp, ref_logp.to(f32), cfg.kl_type)
-        per_token = per_token + cfg.kl_coef * kl
-        stats.add_mean("actor/kl_ref", (kl.detach() * mf).sum(), n_tok)
+        ref = ref_logp.to(f32)
+        if cfg.kl_type != "k1_reward":
+            kl = kl_estimate(logp, ref, cfg.kl_type, value_max=cfg.kl_value_max)
+            per_token = per_token + cfg.kl_coef * kl
+            stats.add_mean("actor/kl_penalty", (kl.detach() * mf).sum(), n_tok)
+        # The reported KL is always the k3 value estimate of KL(pi||ref) (unbiased, >= 0), whatever the
+        # term optimized, so runs with different kl_type compare.
+        stats.add_mean("actor/kl_ref", (kl_estimate(logp.detach(), ref, "k3", value_max=1e6) * mf).sum(), n_tok)
     if entropy is not None:
         if cfg.entropy_coef > 0:
             per_token = per_token - cfg.entropy_coef * entropy
@@ -227,13 +313,14 @@ def policy_loss(
         # k3 estimate of KL(pi_old || pi_theta), samples from pi_old.
         stats.add_mean("actor/approx_kl", ((ratio - 1.0 - log_ratio) * mf).sum(), n_tok)
         stats.add_mean("actor/ratio_mean", (ratio * mf).sum(), n_tok)
-        stats.add_max("actor/ratio_max", ratio[m].max() if n_tok else -float("inf"))
+        stats.add_max("actor/ratio_max", _masked_max(ratio, m))
         if rollout_logp is not None:
             learner_lp = old_logp if cfg.old_logprobs == "recompute" else logp.detach()
-            diff = ((learner_lp - rollout_logp).abs() * mf).to(f32)
+            diff = ((learner_lp - rollout_logp.to(f32)).abs() * mf).to(f32)
             stats.add_mean("mismatch/logprob_abs_diff_mean", diff.sum(), n_tok)
-            stats.add_max("mismatch/logprob_abs_diff_max", diff[m].max() if n_tok else -float("inf"))
+            stats.add_max("mismatch/logprob_abs_diff_max", _masked_max(diff, m))
     return LossOutput(loss=loss, stats=stats)
 
 
-__all__ = ["LossOutput", "Stats", "aggregate", "kl_estimate", "policy_loss", "token_weights"]
+__all__ = ["LossOutput", "Stats", "aggregate", "interpolate_proximal", "kl_estimate", "policy_loss",
+           "token_weights"]

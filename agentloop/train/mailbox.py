@@ -19,7 +19,8 @@ Both sides only need a shared filesystem, so they may run on different machines.
                                                (a STOP older than the learner process is removed)
     RUN_DIR/weights/step-000001/               learner: HF weights after step 1 (for SGLang's
                                                /update_weights_from_disk); with weight_sync tensor|nccl
-                                               only at checkpoint steps (for a resume)
+                                               only weights/step-C of the checkpoint a learner resumed
+                                               from (written before it reports ready)
 
 Every file is written to a temporary name and renamed, so a reader never sees half a file.
 Steps are consumed in order, one batch per step; `data_position` is opaque to the learner: it

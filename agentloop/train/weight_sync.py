@@ -17,8 +17,9 @@ Selected by `learner.weight_sync`:
             different device sets failed at comm init ("Cuda failure 'invalid argument'", H100).
 
 For tensor and nccl the mailbox learner pushes the weights itself, while the orchestrator holds
-the servers paused (see agentloop.train.mailbox: sync.request / sync.go); weights still go to
-disk at checkpoint steps so a resumed run can reload its servers.
+the servers paused (see agentloop.train.mailbox: sync.request / sync.go); no HF weights go to disk
+while training, and a learner that resumes from checkpoint C writes weights/step-C before it reports
+ready, so the orchestrator can reload its servers.
 
 Map:
     ParamMeta, plan_buckets       pure: (name, shape, dtype) per tensor -> buckets under a byte budget
@@ -29,11 +30,18 @@ Map:
     serialize_cuda_bucket         one flattened bucket as SGLang's deserializer reads it
     create_update_group           learner side of SGLang's `init_custom_process_group` rendezvous
     post_json                     one blocking HTTP call with a deadline (the learner has no event loop)
+    begin_update, end_update      SGLang >= 0.5.23's weight-update session around tensor/distributed
+                                  updates; a server without the endpoints (404, 0.5.17) needs none
     WeightSync, DiskSync, TensorSync, NcclSync, SYNCS, register_sync, get_sync
                                   one class per path, looked up by name
 
 Who calls whom: agentloop.train.learner.serve -> get_sync(...)(cfg).push(model, ...) -> the helpers
 above; nothing here imports the learner, the mailbox or the orchestrator.
+
+Sessions: SGLang 0.5.23 refuses /update_weights_from_tensor and /update_weights_from_distributed (400)
+outside POST /begin_weight_update {"selector": "all"} ... POST /end_weight_update {}; 0.5.17 has neither
+endpoint (404) and needs none. Each push opens a session on every server that has them, sends all its
+buckets, and closes it (also when the push fails, best effort); which servers have them is remembered.
 
 Checked against SGLang 0.5.17 / 0.5.23: request fields in `sglang/srt/managers/io_struct.py`; the
 tensor payload is unpickled by `MultiprocessingSerializer.deserialize` with a restricted unpickler
@@ -74,6 +82,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64":
 
 class WeightSyncError(AgentLoopError):
     """A weight push to a server failed (HTTP error, `success: false`, rendezvous or timeout)."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        """The HTTP status when the server answered one (>= 400), else None."""
 
 
 # ---------------------------------------------------------------------------- buckets (pure)
@@ -189,7 +202,7 @@ def post_json(url: str, path: str, body: dict[str, Any] | None, timeout_s: float
             text = resp.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
-        raise WeightSyncError(f"{url}{path} answered HTTP {e.code}: {detail}") from None
+        raise WeightSyncError(f"{url}{path} answered HTTP {e.code}: {detail}", status=e.code) from None
     except (urllib.error.URLError, OSError) as e:  # includes socket timeouts
         raise WeightSyncError(f"{url}{path}: {type(e).__name__}: {e}") from None
     try:
@@ -199,6 +212,33 @@ def post_json(url: str, path: str, body: dict[str, Any] | None, timeout_s: float
     if isinstance(out, dict) and out.get("success") is False:
         raise WeightSyncError(f"{url}{path} refused: {out.get('message')}")
     return out
+
+
+def begin_update(url: str, timeout_s: float) -> bool:
+    """Open a weight-update session (SGLang >= 0.5.23: tensor and distributed updates are refused outside
+    `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`).
+
+    True: a session is open (end it with `end_update`). False: the server has no such endpoint (HTTP 404:
+    an older SGLang, e.g. 0.5.17, which updates without one). A session left open by a push that died
+    between begin and end is closed and opened afresh.
+    """
+    body = {"selector": "all"}
+    try:
+        post_json(url, "/begin_weight_update", body, timeout_s)
+    except WeightSyncError as e:
+        if e.status == 404:
+            return False
+        if e.status == 400 and "already open" in str(e):
+            post_json(url, "/end_weight_update", {}, timeout_s)
+            post_json(url, "/begin_weight_update", body, timeout_s)
+            return True
+        raise
+    return True
+
+
+def end_update(url: str, timeout_s: float) -> None:
+    """Close the session `begin_update` opened (the server finalizes the loaded weights)."""
+    post_json(url, "/end_weight_update", {}, timeout_s)
 
 
 def server_tp_size(url: str, timeout_s: float) -> int:
@@ -420,6 +460,8 @@ class WeightSync:
         self.master_addr = master_addr
         self.master_port = master_port
         self.backend = backend
+        self._sessions: dict[str, bool] = {}
+        """Per server URL: whether it has weight-update sessions (begin/end), once known."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> "WeightSync":
@@ -433,6 +475,26 @@ class WeightSync:
 
     def close(self, urls: Sequence[str] = ()) -> None:
         """Release what the path holds (a process group); best effort."""
+
+    def _begin(self, pool: ThreadPoolExecutor, urls: Sequence[str]) -> list[str]:
+        """Open an update session on every server that has them (in parallel); the URLs where one opened.
+        Whether a server has sessions is remembered (a 404 is asked once per server)."""
+        ask = [u for u in urls if self._sessions.get(u, True)]
+        opened = _gather_calls(pool, [pool.submit(begin_update, u, self.timeout_s) for u in ask], self.timeout_s)
+        for u, ok in zip(ask, opened):
+            self._sessions[u] = ok
+        return [u for u, ok in zip(ask, opened) if ok]
+
+    def _end(self, pool: ThreadPoolExecutor, urls: Sequence[str], *, failing: bool) -> None:
+        """Close the sessions `_begin` opened. While a push is already failing, best effort (the first
+        error is the one reported)."""
+        if not urls:
+            return
+        try:
+            _gather_calls(pool, [pool.submit(end_update, u, self.timeout_s) for u in urls], self.timeout_s)
+        except WeightSyncError:
+            if not failing:
+                raise
 
     @staticmethod
     def _flat_buckets(model: Any, buckets: list[list[ParamMeta]], dtype: Any, device: Any, rank: int,
@@ -521,20 +583,27 @@ class TensorSync(WeightSync):
                     self._tp[u] = server_tp_size(u, self.timeout_s)
         gather_s, t_send = [0.0], 0.0
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            # The server reads the memory through the IPC handle with no ordering against our
-            # stream beyond torch's sharing event: the gather and the concatenation finish first.
-            for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s, sync_cuda=True):
-                t = time.perf_counter()
-                meta = bucket_metadata(buckets[i])
-                last = i == len(buckets) - 1
-                futures = [pool.submit(post_json, u, "/update_weights_from_tensor",
-                                       tensor_payload([serialize_cuda_bucket(flat, meta) for _ in range(self._tp[u])],
-                                                      last=last, version=version), self.timeout_s)
-                           for u in urls]
-                _gather_calls(pool, futures, self.timeout_s)
-                # `flat` must outlive the calls: the servers copy out of it through the IPC handles.
-                del flat  # before the next bucket is gathered (the generator drops its own reference)
-                t_send += time.perf_counter() - t
+            sessions = self._begin(pool, urls) if rank == 0 else []
+            ok = False
+            try:
+                # The server reads the memory through the IPC handle with no ordering against our
+                # stream beyond torch's sharing event: the gather and the concatenation finish first.
+                for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s, sync_cuda=True):
+                    t = time.perf_counter()
+                    meta = bucket_metadata(buckets[i])
+                    last = i == len(buckets) - 1
+                    futures = [pool.submit(post_json, u, "/update_weights_from_tensor",
+                                           tensor_payload([serialize_cuda_bucket(flat, meta)
+                                                           for _ in range(self._tp[u])], last=last, version=version),
+                                           self.timeout_s)
+                               for u in urls]
+                    _gather_calls(pool, futures, self.timeout_s)
+                    # `flat` must outlive the calls: the servers copy out of it through the IPC handles.
+                    del flat  # before the next bucket is gathered (the generator drops its own reference)
+                    t_send += time.perf_counter() - t
+                ok = True
+            finally:
+                self._end(pool, sessions, failing=not ok)
         return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0], "sync/send_s": t_send,
                 "sync/buckets": float(len(buckets))}
 
@@ -588,17 +657,24 @@ class NcclSync(WeightSync):
             metrics["sync/init_group_s"] = self._init_group(urls)
         gather_s, t_send = [0.0], 0.0
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s):
-                t = time.perf_counter()
-                assert self.group is not None
-                body = distributed_payload(buckets[i], self.group.name, last=i == len(buckets) - 1, version=version)
-                # The servers join the broadcast from inside the HTTP handler, so the calls go first
-                # and stay in flight while rank 0 sends.
-                futures = [pool.submit(post_json, u, "/update_weights_from_distributed", body, self.timeout_s)
-                           for u in urls]
-                self._broadcast_while(flat, pool, futures)
-                del flat  # before the next bucket is gathered (the generator drops its own reference)
-                t_send += time.perf_counter() - t
+            sessions = self._begin(pool, urls) if rank == 0 else []
+            ok = False
+            try:
+                for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s):
+                    t = time.perf_counter()
+                    assert self.group is not None
+                    body = distributed_payload(buckets[i], self.group.name, last=i == len(buckets) - 1,
+                                               version=version)
+                    # The servers join the broadcast from inside the HTTP handler, so the calls go first
+                    # and stay in flight while rank 0 sends.
+                    futures = [pool.submit(post_json, u, "/update_weights_from_distributed", body, self.timeout_s)
+                               for u in urls]
+                    self._broadcast_while(flat, pool, futures)
+                    del flat  # before the next bucket is gathered (the generator drops its own reference)
+                    t_send += time.perf_counter() - t
+                ok = True
+            finally:
+                self._end(pool, sessions, failing=not ok)
         metrics.update({"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0],
                         "sync/send_s": t_send, "sync/buckets": float(len(buckets))})
         return metrics
@@ -669,10 +745,12 @@ __all__ = [
     "UpdateGroup",
     "WeightSync",
     "WeightSyncError",
+    "begin_update",
     "bucket_metadata",
     "create_update_group",
     "default_master_addr",
     "distributed_payload",
+    "end_update",
     "flatten_bucket",
     "gather_bucket",
     "get_sync",

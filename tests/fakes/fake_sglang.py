@@ -11,6 +11,9 @@ midway, as in SGLang: mode abort returns the partial tokens (finish abort), retr
 hold the request and go on after /continue_generation; responses carry `weight_versions` spans
 (switch off with `report_spans=False`, like servers that do not report them).
 `started` is set whenever a generation starts producing tokens (tests wait on it, not on sleeps).
+`weight_sessions=True` behaves like SGLang 0.5.23: /begin_weight_update and /end_weight_update exist,
+and tensor/distributed updates outside a session answer 400; False (the default) like 0.5.17: those
+endpoints answer 404.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class FakeSGLang:
     token_delay_s: float = 0.0
     report_spans: bool = True
     started: asyncio.Event | None = None
+    weight_sessions: bool = False
+    session_open: bool = False
     _runner: web.AppRunner | None = None
     _unpause: asyncio.Event | None = None
     _inflight: dict[str, asyncio.Future] = field(default_factory=dict)
@@ -68,6 +73,9 @@ class FakeSGLang:
                      "/update_weights_from_distributed", "/destroy_weights_update_group"):
             app.router.add_post(path, self._admin)
         app.router.add_get("/server_info", self._server_info)
+        if self.weight_sessions:
+            app.router.add_post("/begin_weight_update", self._admin)
+            app.router.add_post("/end_weight_update", self._admin)
         self._unpause = asyncio.Event()
         self._unpause.set()
         self._active = 0
@@ -193,7 +201,21 @@ class FakeSGLang:
         elif path == "/update_weights_from_disk":
             self.weight_version = str(body.get("weight_version") or "updated")
             return web.json_response({"success": True, "message": "ok"})
+        elif path == "/begin_weight_update":
+            if self.session_open:
+                return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                          "call end_weight_update() first"}, status=400)
+            self.session_open = True
+        elif path == "/end_weight_update":
+            if not self.session_open:
+                return web.json_response({"success": False, "message": "no weight-update session is open"},
+                                         status=400)
+            self.session_open = False
         elif path in ("/update_weights_from_tensor", "/update_weights_from_distributed"):
+            if self.weight_sessions and not self.session_open:
+                name = path.lstrip("/")
+                return web.json_response({"success": False, "message": f"{name} must run between "
+                                          "begin_weight_update() and end_weight_update()"}, status=400)
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
             return web.json_response({"success": True, "message": "ok"})

@@ -15,7 +15,7 @@ from agentloop.bench.train import (
     synthetic_records,
 )
 from agentloop.cli import main
-from agentloop.train.flops import step_flops
+from agentloop.train.flops import step_flops, step_flops_from_sums
 
 
 def test_synthetic_batch_shape_and_masks():
@@ -52,6 +52,11 @@ def test_synthetic_batch_shape_and_masks():
         assert mb.loss_mask.sum(1).tolist() == [7.0] * len(mb.episode_ids)
         assert mb.loss_mask[:, :6].sum() == 0  # prompt positions (the first response token is predicted at 6)
 
+    assert all(r.token_versions == [] for r in recs)  # synchronous records by default
+    lagged = synthetic_records(b.model_copy(update={"max_lag": 2}), 50, step=3)
+    # token k lags k mod 3 versions behind the step's starting weights (2), never below version 0
+    assert lagged[0].token_versions == [2, 1, 0, None, None, None, 2, 1, 0, 2]
+
     with pytest.raises(ValueError, match="multiple of group_size"):
         TrainBenchConfig(sequences=10, group_size=4)
     with pytest.raises(ValueError, match="env_tokens"):
@@ -85,7 +90,12 @@ def test_learner_bench_tiny_model_cpu(tmp_path, capsys, share):
     assert r["computed_tokens_per_step"] == sum(rows) and r["shared_rows_per_step"] == (share == "on") * 2
     assert f"| {share} | {sum(rows)} of 124 |" in (run_dir / "bench_train.md").read_text()
     shape = r["model_shape"]
-    expect = step_flops(shape["matmul_params"], shape["layers"], shape["hidden"], rows, forward_passes=0)
+    # the attention term: each episode's own 31^2 pairs; a shared row needs the 15 prompt positions' pairs once
+    pairs = 4 * 31**2 if share == "off" else 2 * (15**2 + 2 * (31**2 - 15**2))
+    expect = step_flops_from_sums(shape["matmul_params"], shape["layers"], shape["hidden"], float(sum(rows)),
+                                  float(pairs), forward_passes=0)
+    if share == "off":
+        assert expect == step_flops(shape["matmul_params"], shape["layers"], shape["hidden"], rows, forward_passes=0)
     assert r["flops_per_step"] == expect  # one epoch of one mini-batch: no separate old-logprob pass
     assert r["mfu"] == pytest.approx(expect["total"] / r["step_s"]["mean"] / 0.5e12)
     assert 0 < r["mfu"] < 1 and r["peak_memory_gib"]["rss"] > 0
@@ -100,8 +110,10 @@ def _row(step, rollout, reward, learner, sync, total, **extra):
 def test_split_table_from_metrics_jsonl(tmp_path, capsys):
     rows = [
         {"step": 0.0, "val/reward": 0.0},  # the validation-only row before step 1: not a step
-        _row(1, 20.0, 1.0, 8.0, 2.0, 31.0, **{"learner/time/update_s": 5.0}),
-        _row(2, 9.0, 0.5, 8.0, 1.0, 18.5, **{"learner/time/update_s": 5.5}),
+        _row(1, 20.0, 1.0, 8.0, 2.0, 31.0, **{"learner/time/update_s": 5.0, "learner/perf/mfu": 0.3,
+                                              "learner/perf/peak_memory_gib": 20.0}),
+        _row(2, 9.0, 0.5, 8.0, 1.0, 18.5, **{"learner/time/update_s": 5.5, "learner/perf/mfu": 0.1,
+                                             "learner/perf/peak_memory_gib": 22.0}),
         _row(3, 99.0, 9.0, 99.0, 9.0, 999.0),  # superseded by the resumed run's line below
         _row(3, 10.0, 0.5, 6.0, 1.0, 16.5, **{"learner/time/update_s": 4.5}),
     ]
@@ -117,12 +129,14 @@ def test_split_table_from_metrics_jsonl(tmp_path, capsys):
     assert p["other"]["seconds"] == pytest.approx(22 - 13 - 22 / 3 - 4 / 3)
     assert p["reward (in rollout)"]["seconds"] == pytest.approx(2 / 3)
     assert p["learner: update"]["seconds"] == pytest.approx(5.0)
+    assert s["learner_perf"] == {"mfu": pytest.approx(0.2), "peak_memory_gib": pytest.approx(21.0)}
     later = step_split(got, skip_first=1)
     assert later["steps"] == [2, 3] and later["phases"]["rollout"]["share"] == pytest.approx(9.5 / 17.5)
 
     assert main(["bench", "train", "--run-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "step time split" in printed and "rollout" in printed and "59.1%" in printed  # 13 / 22
+    assert "learner train_step: MFU 20.0%, peak 21.0 GiB" in printed
     report = json.loads((tmp_path / "bench_train.json").read_text())
     assert report["mode"] == "split" and report["split"]["step_s"] == pytest.approx(22.0)
     assert report["split_after_first"]["steps"] == [2, 3]

@@ -128,3 +128,17 @@ def test_config_validation():
     with pytest.raises(ValueError):
         cfg.clip_ratio_low = 1.5
     assert AlgoConfig.model_fields["kl_coef"].description
+    # REINFORCE++ whitens over the batch: a zero-variance group still has non-zero advantages, so dropping
+    # those groups would drop real signal
+    assert compute_advantages([1.0, 1.0, 0.0], [0, 0, 1], [3, 3, 3], AlgoConfig(estimator="reinforce_pp")
+                              ).values[:2].abs().min() > 0.1
+    with pytest.raises(ValueError, match="reinforce_pp.*drop_zero_variance_groups"):
+        AlgoConfig(estimator="reinforce_pp", drop_zero_variance_groups=True)
+    with pytest.raises(ValueError, match="old_logprobs=recompute"):
+        AlgoConfig(old_logprobs="rollout", proximal="interpolate")
+    # a warmup longer than the run is clipped (lr_at), not refused: `agentloop train train.steps=1` works
+    lc = LearnerConfig(warmup_steps=10)
+    lc.total_steps = 1
+    assert lc.total_steps == 1
+    with pytest.raises(ValueError, match="flex needs a CUDA"):
+        LearnerConfig(attention="flex", device="cpu")

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from agentloop.train.mailbox import (
 )
 
 VOCAB = 96
+JIT_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+"""torch 2.11's inductor import (GPU machines) warns from torch's own code; nothing of ours."""
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,20 @@ def tiny_model(tmp_path_factory) -> Path:
                       tie_word_embeddings=True)
     Qwen2ForCausalLM(cfg).save_pretrained(d)
     (d / "tokenizer_config.json").write_text("{}")  # stands in for tokenizer files: must be copied
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_model16(tmp_path_factory) -> Path:
+    """The tiny model with a head dimension of 16, the least FlexAttention's kernels take (the other has 8)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-model16")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
     return d
 
 
@@ -84,13 +101,14 @@ def assert_weights_close(a: Path, b: Path, atol=1e-6):
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
 
 
-def one_step(model_dir: Path, algo: AlgoConfig, cfg: LearnerConfig, records, out: Path, *, logprobs: bool = False):
-    """A fresh Learner: (compute_logprobs(records) if asked, else None), train_step(records, 1)'s
+def one_step(model_dir: Path, algo: AlgoConfig, cfg: LearnerConfig, records, out: Path, *, logprobs: bool = False,
+             step: int = 1):
+    """A fresh Learner: (compute_logprobs(records) if asked, else None), train_step(records, step)'s
     metrics, and the HF weights it saved to `out`."""
     learner = Learner(model_dir, algo, cfg)
     try:
         lps = learner.compute_logprobs(records) if logprobs else None
-        return lps, learner.train_step(records, 1), learner.save_hf(out)
+        return lps, learner.train_step(records, step), learner.save_hf(out)
     finally:
         learner.close()
 
@@ -104,6 +122,10 @@ def test_lr_schedule():
     assert lr_at(6, c) == pytest.approx(0.1)
     assert lr_at(9, c) == pytest.approx(0.1)
     assert lr_at(5, LearnerConfig(lr=2.0)) == 2.0
+    # warmup longer than the run: clipped to it, so a one-step run trains at the full rate
+    short = LearnerConfig(lr=1.0, warmup_steps=10, total_steps=1)
+    assert lr_at(1, short) == 1.0
+    assert [lr_at(s, LearnerConfig(lr=1.0, warmup_steps=10, total_steps=4)) for s in (1, 4)] == [0.25, 1.0]
 
 
 def test_load_sections(tmp_path):
@@ -114,6 +136,7 @@ def test_load_sections(tmp_path):
     # YAML reads a bare off/on as a boolean
     assert load_sections(None, ["learner.share_prompt=off"])[1].share_prompt == "off"
     assert load_sections(None, ["learner.share_prompt=on"])[1].share_prompt == "on"
+    assert load_sections(None, ["learner.checkpoint_async=off"])[1].checkpoint_async == "off"
     with pytest.raises(ConfigError, match="share_prompt"):
         load_sections(None, ["learner.share_prompt=sometimes"])
     with pytest.raises(ConfigError, match="clip_ratio_lo"):
@@ -466,6 +489,7 @@ def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
 
 
 @pytest.mark.gpu
+@JIT_WARNING
 def test_gpu_two_ranks_nccl_matches_one_rank(tiny_model, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
@@ -473,6 +497,7 @@ def test_gpu_two_ranks_nccl_matches_one_rank(tiny_model, tmp_path):
 
 
 @pytest.mark.gpu
+@JIT_WARNING
 def test_gpu_bf16_step(tiny_model, tmp_path):
     """On CUDA: nccl, bf16 compute with float32 master weights, bf16 HF export."""
     if not torch.cuda.is_available():
@@ -506,3 +531,300 @@ def test_public_api_and_light_config_import():
     # the root config mounts AlgoConfig/LearnerConfig: importing them must not import torch
     code = "import sys, agentloop.train.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
+
+
+# ---- packed layout, meta init, chunked head ------------------------------------------------
+
+@pytest.mark.parametrize("share", ["off", "on"])
+def test_packed_rows_match_padded_rows(tiny_model, tmp_path, share):
+    """learner.attention=packed_sdpa (one packed row per micro-batch, position ids per sequence, the
+    document/shared-prompt mask) vs padded (today's rows): same logprobs, loss, KL, entropy, gradient norm and
+    weights after a step, with two mini-batches (old-logprob and reference passes on packed rows too) and a
+    logprob chunk smaller than a micro-batch."""
+    algo = AlgoConfig(kl_coef=0.05, entropy_coef=0.01)
+    recs = make_records(1, seed=7, groups=3, n=4)
+    res = {}
+    for attention in ("padded", "packed_sdpa"):
+        cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None, micro_batch_tokens=40, mini_batches=2,
+                            share_prompt=share, attention=attention,
+                            logprob_chunk_tokens=7 if attention == "packed_sdpa" else 2048)
+        res[attention] = one_step(tiny_model, algo, cfg, recs, tmp_path / f"w-{attention}", logprobs=True)
+    (lp_pad, pad, w_pad), (lp_pk, pk, w_pk) = res["padded"], res["packed_sdpa"]
+    for a, b in zip(lp_pad, lp_pk):
+        assert b == pytest.approx(a, abs=1e-5)
+    assert pk["batch/padded_tokens"] < pad["batch/padded_tokens"]  # no padding between sequences
+    assert pk["batch/computed_tokens"] == pad["batch/computed_tokens"]
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy", "actor/clip_frac"):
+        assert pk[k] == pytest.approx(pad[k], rel=1e-4, abs=1e-6), k
+    assert_weights_close(w_pad, w_pk, atol=1e-5)
+
+
+def test_meta_device_init_gives_the_loaded_weights(tiny_model):
+    """Every rank builds on the meta device and receives rank 0's weights: parameters and the buffers a meta
+    build leaves empty (rotary frequencies) equal a plain from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    learner = Learner(tiny_model, AlgoConfig(kl_coef=0.1), LearnerConfig(device="cpu"))
+    try:
+        for model in (learner.model, learner.ref_model):
+            got = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+            want = dict(ref.named_parameters())
+            assert got.keys() == want.keys()
+            for n in want:
+                torch.testing.assert_close(got[n], want[n].detach(), atol=0, rtol=0, msg=n)
+            for n, b in ref.named_buffers():
+                torch.testing.assert_close(dict(model.named_buffers())[n], b, atol=0, rtol=0, msg=n)
+            assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
+    finally:
+        learner.close()
+
+
+# ---- asynchronous records -----------------------------------------------------------------
+
+def with_versions(records, step: int, lags: list[int]):
+    """Records whose model tokens carry versions (step - 1) - lag, lag cycling over `lags` per token."""
+    out = []
+    for r in records:
+        tv = [None if not m else (step - 1) - lags[k % len(lags)] for k, m in enumerate(r.response_mask)]
+        out.append(r.model_copy(update={"token_versions": tv}))
+    return out
+
+
+def test_token_versions_give_staleness_metrics_and_change_nothing_else(tiny_model, tmp_path):
+    """Versions add async/* metrics (and the interpolation error in recompute mode) but train exactly as
+    records without versions."""
+    algo = AlgoConfig(kl_coef=0.05)
+    cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None, micro_batch_tokens=40, mini_batches=2)
+    recs = make_records(3, seed=9)
+    _, plain, w_plain = one_step(tiny_model, algo, cfg, recs, tmp_path / "plain", step=3)
+    _, ver, w_ver = one_step(tiny_model, algo, cfg, with_versions(recs, 3, [0, 0, 1]), tmp_path / "ver", step=3)
+    assert "async/staleness_mean" not in plain and "mismatch/interpolate_abs_err" not in plain
+    vrecs = with_versions(recs, 3, [0, 0, 1])
+    lags = [2 - v for r in vrecs if r.error is None for v in r.token_versions if v is not None]
+    assert ver["async/lag_share_0"] == pytest.approx(lags.count(0) / len(lags)) and ver["async/staleness_max"] == 1.0
+    assert ver["mismatch/interpolate_abs_err"] > 0
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref"):
+        assert ver[k] == pytest.approx(plain[k], rel=1e-6, abs=1e-8), k
+    assert_weights_close(w_plain, w_ver, atol=0)
+
+
+def test_interpolated_proximal_skips_the_old_logprob_pass(tiny_model, tmp_path, monkeypatch):
+    """algo.proximal=interpolate: no no-grad forward of the policy; the first mini-batch still uses its exact
+    logprobs (nothing has moved), later ones AReaL's interpolation. Records without versions are refused."""
+    import agentloop.train.learner as learner_mod
+
+    passes = {"n": 0}
+    orig = learner_mod.Learner._forward
+
+    def counting(self, model, mb, *, entropy, entropy_grad):
+        if model is self.model and not torch.is_grad_enabled():
+            passes["n"] += 1
+        return orig(self, model, mb, entropy=entropy, entropy_grad=entropy_grad)
+
+    monkeypatch.setattr(learner_mod.Learner, "_forward", counting)
+    cfg = LearnerConfig(device="cpu", lr=1e-2, micro_batch_tokens=40, mini_batches=2)
+    recs = with_versions(make_records(2, seed=4), 2, [0, 1])
+    _, rec_m, w_rec = one_step(tiny_model, AlgoConfig(proximal="recompute"), cfg, recs, tmp_path / "r", step=2)
+    n_recompute = passes["n"]
+    passes["n"] = 0
+    _, int_m, w_int = one_step(tiny_model, AlgoConfig(proximal="interpolate"), cfg, recs, tmp_path / "i", step=2)
+    assert n_recompute > 0 and passes["n"] == 0
+    assert "mismatch/interpolate_abs_err" in rec_m and "mismatch/interpolate_abs_err" not in int_m
+    assert math.isfinite(int_m["actor/loss"]) and int_m["actor/optimizer_steps"] == 2.0
+    with pytest.raises(ValueError, match="token_versions"):
+        one_step(tiny_model, AlgoConfig(proximal="interpolate"), cfg, make_records(2, seed=4), tmp_path / "x")
+
+
+def test_k1_in_reward_lowers_advantages_by_the_penalty_return(tiny_model, tmp_path):
+    """kl_type=k1_reward: no KL loss term; the advantages carry the penalty (so the loss differs from no KL
+    at all), reported as actor/kl_penalty (mean k1)."""
+    cfg = LearnerConfig(device="cpu", lr=1e-3, micro_batch_tokens=40)
+    recs = make_records(1, seed=2)
+    _, none, _ = one_step(tiny_model, AlgoConfig(), cfg, recs, tmp_path / "a")
+    _, rew, _ = one_step(tiny_model, AlgoConfig(kl_coef=1.0, kl_type="k1_reward"), cfg, recs, tmp_path / "b")
+    # step 1 starts at the reference: k1 = 0 on every token, so the advantages, loss and gradient are unchanged
+    assert rew["actor/kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert rew["actor/loss"] == pytest.approx(none["actor/loss"], rel=1e-5)
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+
+_CKPT_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import torch
+    from agentloop.train import checkpoint as ck
+    from agentloop.train.config import AlgoConfig, LearnerConfig
+    from agentloop.train.learner import Learner
+    sys.path.insert(0, {root!r})
+    from tests.unit.train.test_learner import make_records
+
+    mode, model, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    learner = Learner(model, AlgoConfig(), LearnerConfig(device="cpu", lr=1e-2, keep_checkpoints=1))
+    learner.train_step(make_records(1), 1)
+    learner.save_checkpoint(root, data_position=1)
+    learner.save_hf(root.parent / "w1")
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "resave":  # a second save of the same step, killed between its two renames
+        ck._between_renames = kill
+        learner.save_checkpoint(root, data_position=2)
+    else:  # step 2 saved in the background, killed while its files are being written
+        import torch.distributed.checkpoint.filesystem as fs
+        orig = fs.FileSystemWriter.write_data
+        def write_then_die(self, plan, planner):
+            fut = orig(self, plan, planner)
+            fut.wait()
+            kill()
+        fs.FileSystemWriter.write_data = write_then_die
+        learner.train_step(make_records(2), 2)
+        learner.save_checkpoint(root, data_position=2, background=True)
+        learner.wait_checkpoint()
+    print("not killed")
+""")
+
+
+@pytest.mark.parametrize("mode", ["resave", "background"])
+def test_a_checkpoint_killed_mid_save_leaves_the_previous_one_usable(tiny_model, tmp_path, mode):
+    """SIGKILL inside a save (keep_checkpoints=1): between the renames of a re-save of the same step, or while
+    a background save writes its files. The latest complete checkpoint is still step 1 and loads exactly."""
+    root = tmp_path / "ck"
+    repo = str(Path(__file__).resolve().parents[3])
+    proc = subprocess.run([sys.executable, "-c", _CKPT_CHILD.format(root=repo), mode, str(tiny_model), str(root)],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]
+    leftovers = sorted(p.name for p in root.iterdir())
+    # resave: the old step 1 renamed aside, the new one not yet in place; background: step 2 never completed
+    assert leftovers == (["step-000001.prev", "step-000001.tmp"] if mode == "resave"
+                         else ["step-000001", "step-000002.tmp"])
+    ck = latest_checkpoint(root)
+    assert ck is not None and json.loads((ck / "meta.json").read_text())["step"] == 1
+    learner = Learner(tiny_model, AlgoConfig(), LearnerConfig(device="cpu", lr=1e-2, keep_checkpoints=1))
+    try:
+        assert learner.load_checkpoint(ck).step == 1
+        assert_weights_close(tmp_path / "w1", learner.save_hf(tmp_path / "w1-loaded"), atol=0)
+        learner.save_checkpoint(root)  # the next save cleans up and replaces step 1 in place
+        assert sorted(p.name for p in root.iterdir()) == ["step-000001"]
+    finally:
+        learner.close()
+
+
+def test_background_checkpoint_equals_a_synchronous_one(tiny_model, tmp_path):
+    """learner.checkpoint_async: training goes on while the files are written; the checkpoint appears once
+    complete and restores the state of its step exactly (the next step's update waited for the copy)."""
+    learner = Learner(tiny_model, AlgoConfig(), LearnerConfig(device="cpu", lr=1e-2, ppo_epochs=2))
+    try:
+        learner.train_step(make_records(1), 1)
+        w1 = learner.save_hf(tmp_path / "w1")
+        final = learner.save_checkpoint(tmp_path / "ck", data_position={"row": 3}, background=True)
+        # on CUDA the copy to host memory runs on a side stream: every optimizer step must wait for it first
+        events: list[str] = []
+        ck_wait, opt_step = learner._ckpt.wait_staged, learner.optimizer.step
+        learner._ckpt.wait_staged = lambda: (events.append("wait_staged"), ck_wait())[1]
+        learner.optimizer.step = lambda *a, **k: (events.append("step"), opt_step(*a, **k))[1]
+        learner.train_step(make_records(2), 2)  # runs while the checkpoint of step 1 is written
+        assert events == ["wait_staged", "step", "wait_staged", "step"]  # ppo_epochs=2
+        assert learner.wait_checkpoint() == final and final.is_dir()
+        meta = learner.load_checkpoint(final)
+        assert (meta.step, meta.data_position) == (1, {"row": 3})
+        assert_weights_close(w1, learner.save_hf(tmp_path / "w1b"), atol=0)
+    finally:
+        learner.close()
+
+
+def test_background_checkpoint_is_published_while_the_learner_waits(tiny_model, tmp_path):
+    """The mailbox learner checkpoints step 1 in the background and then waits for step 2's batch (rollouts can
+    take long): the checkpoint goes into place as soon as it is written, not at the next step."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _launch(run, tiny_model, ["learner.device=cpu", "learner.poll_s=0.05", "learner.checkpoint_every=1",
+                                     "learner.checkpoint_async=on"])
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        client.wait_ready(120)
+        client.submit(1, make_records(1))
+        client.wait_update(1, 120)
+        deadline = time.monotonic() + 60
+        while latest_checkpoint(run / "checkpoints") is None:
+            assert time.monotonic() < deadline, "the step-1 checkpoint never appeared while the learner waited"
+            client.check_alive()
+            time.sleep(0.05)
+        assert latest_checkpoint(run / "checkpoints").name == "step-000001"
+        _finish(proc, client, run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_checkpoint_every_null_writes_no_checkpoint(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _launch(run, tiny_model, ["learner.device=cpu", "learner.poll_s=0.05", "learner.checkpoint_every=null"])
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        client.wait_ready(120)
+        for s in (1, 2):
+            client.submit(s, make_records(s))
+            client.wait_update(s, 120)
+        _finish(proc, client, run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert (run / "weights" / "step-000002").is_dir()
+
+
+# ---- GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@JIT_WARNING
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_flex_matches_padded(tiny_model16, tmp_path, dtype):
+    """On CUDA: packed rows with the FlexAttention block mask (shared prompts on) vs padded rows: same
+    logprobs, loss, gradient norm and weights after a step (float32 tight, bfloat16 within its rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    algo = AlgoConfig(kl_coef=0.05, entropy_coef=0.01)
+    recs = make_records(1, seed=7, groups=3, n=4)
+    res = {}
+    for attention in ("padded", "flex"):
+        cfg = LearnerConfig(lr=1.0 if dtype == "float32" else 1e-3, adam_eps=1.0, grad_clip=None,
+                            micro_batch_tokens=64, mini_batches=2, share_prompt="on", attention=attention, dtype=dtype)
+        res[attention] = one_step(tiny_model16, algo, cfg, recs, tmp_path / f"w-{attention}", logprobs=True)
+    (lp_a, a, w_a), (lp_b, b, w_b) = res["padded"], res["flex"]
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for x, y in zip(lp_a, lp_b):
+        assert y == pytest.approx(x, abs=tol)
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy"):
+        assert b[k] == pytest.approx(a[k], rel=tol * 10, abs=tol), k
+    assert_weights_close(w_a, w_b, atol=1e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.gpu
+@JIT_WARNING
+def test_gpu_chunked_logprobs_keep_memory_flat():
+    """152k vocabulary, 8192 tokens: the chunked forward + backward peaks far below one [tokens x vocab]
+    float32 tensor (4.6 GiB), and grows with the chunk, not with the tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from agentloop.train.logprobs import chunked_logprobs
+
+    dev = torch.device("cuda")
+    v, h = 151_936, 896
+    w = (torch.randn(v, h, device=dev) * 0.02).to(torch.bfloat16).requires_grad_(True)
+    peaks = {}
+    for n in (4096, 8192):
+        hid = torch.randn(n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randint(0, v, (n,), device=dev)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp, ent = chunked_logprobs(hid, w, y, chunk=1024, entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        torch.cuda.synchronize()
+        peaks[n] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        w.grad = None
+    assert peaks[8192] < 2.5, peaks
+    assert peaks[8192] - peaks[4096] < 0.5, peaks

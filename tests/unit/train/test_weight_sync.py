@@ -145,13 +145,15 @@ def test_config_fields():
 # ---------------------------------------------------------------------------- against fake servers
 
 
-@pytest.fixture
-def fakes():
-    """Two fake servers on an event loop in a thread (the sync code is blocking, like the learner)."""
+@pytest.fixture(params=[False], ids=["sglang-0.5.17"])
+def fakes(request):
+    """Two fake servers on an event loop in a thread (the sync code is blocking, like the learner);
+    parametrized with `weight_sessions` (0.5.23's begin/end protocol) where a test asks for both."""
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()
-    servers = [asyncio.run_coroutine_threadsafe(FakeSGLang(tp_size=tp).start(), loop).result(10) for tp in (1, 2)]
+    servers = [asyncio.run_coroutine_threadsafe(FakeSGLang(tp_size=tp, weight_sessions=request.param).start(),
+                                                loop).result(10) for tp in (1, 2)]
     yield servers
     for s in servers:
         asyncio.run_coroutine_threadsafe(s.stop(), loop).result(10)
@@ -402,3 +404,70 @@ def test_orchestrator_learner_update_pauses_around_the_push(fakes, tmp_path: Pat
         assert _paths(f) == ["/pause_generation", "/update_weights_from_tensor", "/continue_generation",
                              "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
         assert f.weight_version == "2"
+
+
+# ---------------------------------------------------------------------------- SGLang 0.5.23 update sessions
+
+BOTH = pytest.mark.parametrize("fakes", [False, True], ids=["sglang-0.5.17", "sglang-0.5.23"], indirect=True)
+
+
+@BOTH
+def test_tensor_sync_opens_a_session_where_the_server_has_them(fakes, monkeypatch):
+    """0.5.23 (weight_sessions): begin -> every bucket -> end, on every push. 0.5.17: the begin is a 404,
+    remembered, and the buckets go without a session (as before)."""
+    monkeypatch.setattr(ws, "serialize_cuda_bucket", lambda flat, md: "x")
+    sessions = fakes[0].weight_sessions
+    sync = ws.TensorSync(bucket_bytes=50 * 8 * 2, timeout_s=10)
+    nb = len(plan_buckets(ws.param_metas(Tiny(), torch.bfloat16), 50 * 8 * 2))
+    for version in ("1", "2"):
+        sync.push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
+                  version=version)
+    for f in fakes:
+        push = ["/update_weights_from_tensor"] * nb
+        if sessions:
+            push = ["/begin_weight_update"] + push + ["/end_weight_update"]
+        assert _paths(f) == ["/server_info"] + push + push, f.url
+        assert f.weight_version == "2" and not f.session_open
+        if sessions:
+            assert f.admin[1][1] == {"selector": "all"} and f.admin[nb + 2][1] == {}
+    assert sync._sessions == {f.url: sessions for f in fakes}
+
+
+@pytest.mark.parametrize("fakes", [True], ids=["sglang-0.5.23"], indirect=True)
+def test_without_a_session_0523_refuses_and_a_stale_session_is_recovered(fakes, monkeypatch):
+    monkeypatch.setattr(ws, "serialize_cuda_bucket", lambda flat, md: "x")
+    # what the old code did (no begin): the server refuses, naming the protocol
+    with pytest.raises(WeightSyncError, match="begin_weight_update"):
+        ws.post_json(fakes[0].url, "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, 5)
+    # a session left open by a push that died between begin and end: closed, then opened afresh
+    fakes[0].session_open = True
+    ws.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
+                                    urls=[fakes[0].url], version="3")
+    assert fakes[0].weight_version == "3" and not fakes[0].session_open
+    # a push that fails mid-way still closes its sessions, and reports the failure, not the close
+    fakes[1].refuse.add("/update_weights_from_tensor")
+    with pytest.raises(WeightSyncError, match="refused"):
+        ws.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
+                                        urls=[f.url for f in fakes], version="4")
+    assert [f.session_open for f in fakes] == [False, False]
+    assert _paths(fakes[1])[-1] == "/end_weight_update"
+
+
+@BOTH
+def test_nccl_sync_sessions(fakes):
+    groups: list[FakeGroup] = []
+
+    def factory(addr, port, world, name, *, backend, timeout_s, before_connect):
+        groups.append(FakeGroup([], addr, port, world, name, backend, timeout_s, before_connect))
+        return groups[-1]
+
+    sync = ws.NcclSync(group_factory=factory, bucket_bytes=1000, timeout_s=10)
+    sync.push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
+              version="1")
+    nb = len(plan_buckets(ws.param_metas(Tiny(), torch.bfloat16), 1000))
+    for f in fakes:
+        push = ["/update_weights_from_distributed"] * nb
+        if f.weight_sessions:
+            push = ["/begin_weight_update"] + push + ["/end_weight_update"]
+        assert _paths(f) == ["/server_info", "/init_weights_update_group"] + push
+        assert f.weight_version == "1"
