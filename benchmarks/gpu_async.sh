@@ -20,11 +20,11 @@ common=(--model "$MODEL" --steps "$STEPS" --prompts "$PROMPTS" --samples "$SAMPL
 # one server (GPU 0) for every part of a call; separate = learner on GPU 1 (nccl), colocated = GPU 0 (CUDA IPC)
 case "$PART" in
   separate)
-    python3 benchmarks/async_bench.py "${common[@]}" --name separate --mem-fraction 0.45 \
+    python3 benchmarks/async_bench.py "${common[@]}" --name separate --mem-fraction 0.8 \
       --part "longtail_2gpu:longtail:128:1:nccl:${ASYNC_RUNS:-sync+async:1+async:2}" \
       --part "single_2gpu:single:512:1:nccl:${ASYNC_RUNS2:-sync+async:1}" ;;
   colocated)
-    python3 benchmarks/async_bench.py "${common[@]}" --name colocated --mem-fraction 0.45 \
+    python3 benchmarks/async_bench.py "${common[@]}" --name colocated --mem-fraction 0.3 --set learner.micro_batch_tokens=8192 \
       --part "longtail_1gpu:longtail:128:0:tensor:${ASYNC_RUNS:-sync+async:1}" ;;
   *) echo "unknown ASYNC_PART $PART (separate | colocated)"; exit 2 ;;
 esac

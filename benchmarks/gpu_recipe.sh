@@ -9,7 +9,9 @@
 # Env: MODEL (a model dir, or qwen2.5-0.5b-shape = random weights; default), STEPS (3), PROMPTS (64), N (5),
 #      TRAIN_INPUT / TEST_INPUT (the data set's own files; default: small stand-ins built from the bundled
 #      sets, since the GPU machine has no network), CORPUS (search_r1's retriever corpus; default the demo
-#      corpus), OUT (results folder, default ./bench_out), EXTRA (more key=value overrides).
+#      corpus), OUT (results folder, default ./bench_out), EXTRA (more key=value overrides), SERVER_URL (a
+#      running SGLang server of the same model to use instead of launching one: several recipes can then
+#      share one server start; it gets the base weights back afterwards).
 set -euo pipefail
 RECIPE=${1:?usage: gpu_recipe.sh gsm8k|countdown|search_r1|code}
 case $RECIPE in gsm8k|countdown|search_r1|code) ;; *) echo "unknown recipe $RECIPE" >&2; exit 2 ;; esac
@@ -95,7 +97,11 @@ if [ "$RECIPE" = search_r1 ]; then
   trap '[ -n "$RETRIEVER_PID" ] && kill "$RETRIEVER_PID"' EXIT
   for _ in $(seq 1 60); do grep -q serving "$OUT/retriever.log" && break; sleep 1; done
 fi
+if [ -n "${SERVER_URL:-}" ]; then ARGS+=(--server-url "$SERVER_URL"); fi
 log "model $MODEL; agentloop train ${ARGS[*]}"
-timeout -k 10 "${TRAIN_TIMEOUT_S:-540}" $AL train "${ARGS[@]}"
+timeout -k 10 "${TRAIN_TIMEOUT_S:-540}" $AL train "${ARGS[@]}" || log "train failed: exit $?"
+if [ -n "${SERVER_URL:-}" ]; then
+  python3 -c "import json, sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1] + '/update_weights_from_disk', json.dumps({'model_path': sys.argv[2], 'weight_version': '0'}).encode(), {'Content-Type': 'application/json'}), timeout=300).read()" "$SERVER_URL" "$MODEL" || log "could not restore the server's weights"
+fi
 $AL bench train --run-dir "$RUN" --out "$OUT/split_$RECIPE.json" || true
 log "done: $RUN (metrics.jsonl, curves.html), split in $OUT/split_$RECIPE.json"
