@@ -122,6 +122,9 @@ class ManagerConfig(Section):
     """Period of /health probes; ejected servers that answer again are re-admitted."""
     health_timeout_s: float = Field(default=5.0, gt=0)
     """Timeout of one /health probe."""
+    answered_grace_s: float = Field(default=30.0, ge=0)
+    """A failed health probe does not count against a server that answered a request this recently:
+    under heavy load SGLang's /health can miss its timeout while the server works fine."""
     all_down_grace_s: float = Field(default=20.0, ge=0)
     """How long a request waits for any server to come back before the run is declared dead."""
     admin_timeout_s: float = Field(default=120.0, gt=0)

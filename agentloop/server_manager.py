@@ -196,6 +196,7 @@ class ServerManager:
                        "interrupted_calls": 0, "continued_calls": 0, "stale_servers": 0, "resyncs": 0,
                        "cancelled_calls": 0}
         self._down_since: float | None = None
+        self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -284,6 +285,17 @@ class ServerManager:
     def push_targets(self) -> list[str]:
         """Servers a weight push must reach: admitted ones and those kept out only for their version."""
         return [s.url for s in self.router.servers if s.healthy or s.stale]
+
+    async def reachable_targets(self) -> list[str]:
+        """`push_targets` plus servers ejected for failures that answer now: a push that skipped them
+        would leave them on old weights with nothing to bring them back (tensor/nccl keep no copy)."""
+        out = []
+        for i, s in enumerate(self.router.servers):
+            if s.healthy or s.stale:
+                out.append(s.url)
+            elif await self._get_ok(s.url, "/model_info", self.cfg.health_timeout_s) is not None:
+                out.append(s.url)
+        return out
 
     # ------------------------------------------------------------------ generate
 
@@ -380,6 +392,7 @@ class ServerManager:
                 self.router.release(idx)
                 self._changed.set()
             self.router.record_success(idx)
+            self._answered_at[idx] = time.monotonic()
             latency = time.monotonic() - ts
             self._latencies.append(latency)
             self._stats["prompt_tokens"] += out.prompt_tokens or len(prompt_ids)
@@ -528,6 +541,10 @@ class ServerManager:
             if s.healthy:
                 if await self.check_health(i):
                     self.router.record_success(i)
+                elif time.monotonic() - self._answered_at[i] < self.cfg.answered_grace_s:
+                    # A server answering requests is alive, whatever its probe says: under heavy load
+                    # SGLang's /health can miss its timeout, and ejecting the only server ends the run.
+                    self.router.record_success(i)
                 else:
                     self._note_failure(i)
             else:
@@ -622,7 +639,7 @@ class ServerManager:
         payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        targets = [self.urls.index(u.rstrip("/")) for u in (urls if urls is not None else self.push_targets())]
+        targets = [self.urls.index(u.rstrip("/")) for u in (urls if urls is not None else await self.reachable_targets())]
         results = await asyncio.gather(*(self._admin_post(self.urls[i], "/update_weights_from_disk", payload)
                                          for i in targets), return_exceptions=True)
         version = parse_version(weight_version)

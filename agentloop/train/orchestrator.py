@@ -236,7 +236,7 @@ class Trainer:
         t1 = time.monotonic()
         await self.sm.pause(mode=self.cfg.train.interrupt)
         try:
-            targets = self.sm.push_targets()
+            targets = await self.sm.reachable_targets()
             self.client.allow_sync(step, targets)
             upd = await asyncio.to_thread(self.client.wait_update, step, timeout)
         finally:

@@ -95,6 +95,8 @@ class FakeSGLang:
             self._runner = None
 
     async def _model_info(self, request: web.Request) -> web.Response:
+        if not self.healthy:  # like a process that is gone: nothing answers
+            return web.Response(status=503, text="unhealthy")
         return web.json_response({"model_path": "fake", "weight_version": self.weight_version})
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -201,3 +201,42 @@ def test_failed_update_on_one_server_ejects_it_and_keeps_the_rest():
 
     versions, healthy = run(main())
     assert list(versions.values()) == [1, 0] and healthy == [True, False]
+
+
+def test_a_server_answering_requests_is_not_ejected_for_failed_probes():
+    """Under heavy load SGLang's /health can miss its timeout; a server still answering requests must stay
+    in (ejecting the only server ended a GPU run), and one that answers nothing is ejected."""
+    async def main():
+        fake = await FakeSGLang(token_delay_s=0.005).start()
+        try:
+            cfg = ManagerConfig(health_interval_s=0.02, eject_after_failures=1, answered_grace_s=0.5)
+            async with ServerManager([fake.url], cfg) as sm:
+                q = events(sm)
+                await sm.generate("e-first", prompt_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 8})
+                fake.healthy = False  # every probe fails from now on
+                for i in range(30):
+                    await sm.generate(f"e-{i}", prompt_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 8})
+                kept = sm.router.servers[0].healthy and sm.gauges()["server/ejections"] == 0
+                await wait_event(q, f"{fake.url} ejected")  # idle past the grace: the failing probes count
+                return kept
+        finally:
+            await fake.stop()
+
+    assert run(main()) is True
+
+
+def test_pushes_reach_servers_ejected_for_failures_that_answer_again():
+    async def main():
+        a, b = await FakeSGLang().start(), await FakeSGLang().start()
+        try:
+            async with ServerManager([a.url, b.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+                sm.router.eject(1)  # e.g. timed-out requests under load; the process is alive
+                alive = await sm.reachable_targets()
+                b.healthy = False  # now really gone
+                gone = await sm.reachable_targets()
+                return alive, gone, sm.push_targets()
+        finally:
+            await a.stop(), await b.stop()
+
+    alive, gone, plain = run(main())
+    assert len(alive) == 2 and len(gone) == 1 and len(plain) == 1
