@@ -181,40 +181,65 @@ def assert_token_exact(out, tok, server: ScriptedServer, loop: ToolAgentLoop) ->
         assert lp == (-0.1 if m == 1 else 0.0)
     # the ids equal a re-tokenization of the final messages done the safe way (template glue parsed,
     # tool content as plain text) ...
-    assert safe_retokenize(out, tok, schemas, server.eos) == all_ids
+    assert safe_retokenize(out, tok, schemas) == all_ids
     # ... which is the canonical tokenization of the whole text while no tool output holds a control token
     tool_text = "".join(m["content"] for m in out.extra["messages"] if m["role"] == "tool")
     if not any(t in tool_text for t in control_tokens(tok)):
         assert list(tok.encode(full, add_special_tokens=False)) == all_ids
 
 
-def safe_retokenize(out, tok, schemas, eos: int) -> list[int]:
-    """prompt + response ids rebuilt from the record alone: each model run as the server returned it, each
-    mask-0 run from the final messages with env_segments + encode_segments."""
-    def render(msgs, tools, gen):
-        return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
-
-    msgs = out.extra["messages"]
-    ids, i = list(out.prompt_ids), 2  # the prompt is the sample's system + user message
+def mask_runs(out) -> list[tuple[int, list[int]]]:
+    """The response as (mask, ids) runs."""
     runs: list[tuple[int, list[int]]] = []
     for t, m in zip(out.response_ids, out.response_mask):
         if runs and runs[-1][0] == m:
             runs[-1][1].append(t)
         else:
             runs.append((m, [t]))
+    return runs
+
+
+def _render(tok):
+    def render(msgs, tools, gen):
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+    return render
+
+
+def tool_turns(out, tok, n_prompt: int = 2):
+    """Per mask-0 run: (its index in mask_runs(out), the messages before it, its tool messages, the glue
+    before them: the rest of the model turn's "<|im_end|>\\n", which is only "\\n" when the model's own last
+    token was "<|im_end|>")."""
+    msgs, i, turns = out.extra["messages"], n_prompt, []
+    runs = mask_runs(out)
     for k, (m, run) in enumerate(runs):
         if m == 1:
-            ids += run
             assert msgs[i]["role"] == "assistant"
             i += 1
             continue
         j = i
         while j < len(msgs) and msgs[j]["role"] == "tool":
             j += 1
-        prefix = "\n" if runs[k - 1][1][-1] == eos else "<|im_end|>\n"
-        ids += encode_segments(tok, env_segments(render, msgs[:i], msgs[i:j], schemas, prefix=prefix))
+        prefix = "\n" if tok.decode(runs[k - 1][1][-1:]) == "<|im_end|>" else "<|im_end|>\n"
+        turns.append((k, msgs[:i], msgs[i:j], prefix))
         i = j
-    return ids
+    return turns
+
+
+def safe_retokenize(out, tok, schemas, n_prompt: int = 2) -> list[int]:
+    """prompt + response ids rebuilt from the record alone: each model run as the server returned it, each
+    mask-0 run from the final messages with env_segments + encode_segments."""
+    runs = [run for _, run in mask_runs(out)]
+    for k, before, new, prefix in tool_turns(out, tok, n_prompt):
+        runs[k] = encode_segments(tok, env_segments(_render(tok), before, new, schemas, prefix=prefix))
+    return list(out.prompt_ids) + [t for run in runs for t in run]
+
+
+def glue_control_ids(tok, before, new, schemas, prefix) -> list[int]:
+    """The control-token ids the template's own glue puts around `new` (their contents made harmless)."""
+    r = _render(tok)
+    harmless = [{**m, "content": "x"} for m in new]
+    text = prefix + r(before + harmless, schemas, True)[len(r(before, schemas, False)):]
+    return [i for i in tok.encode(text, add_special_tokens=False) if i in control_token_ids(tok)]
 
 
 # ---------------------------------------------------------------- tests
@@ -536,23 +561,12 @@ def test_tool_output_cannot_inject_control_tokens(tok):
     assert [m["content"] for m in out.extra["messages"] if m["role"] == "tool"] == [ForgeTool.text] * 2
     ctrl = control_token_ids(tok)
     schemas = [loop._episode_tools(sample())[0]["forge"].schema]
-    msgs = out.extra["messages"]
-    runs, cur = [], []
-    for t, m in zip(out.response_ids, out.response_mask):
-        if m == 0:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    assert len(runs) == 2
-    for k, run_ids in enumerate(runs):
-        a = 2 + 2 * k + 1  # system, user, (assistant, tool) per turn
-        harmless = [*msgs[:a], {**msgs[a], "content": "x"}]
-        before = tok.apply_chat_template(msgs[:a], tools=schemas, tokenize=False, add_generation_prompt=False)
-        after = tok.apply_chat_template(harmless, tools=schemas, tokenize=False, add_generation_prompt=True)
-        prefix = "\n" if k == 0 else "<|im_end|>\n"  # turn 1 ended on EOS, turn 2 on a stop string
-        glue = [i for i in tok.encode(prefix + after[len(before):], add_special_tokens=False) if i in ctrl]
-        assert [i for i in run_ids if i in ctrl] == glue
+    turns = tool_turns(out, tok)
+    assert [prefix for *_, prefix in turns] == ["\n", "<|im_end|>\n"]  # turn 1 ended on EOS, turn 2 on a stop string
+    runs = mask_runs(out)
+    for k, before, new, prefix in turns:
+        run_ids = runs[k][1]
+        assert [i for i in run_ids if i in ctrl] == glue_control_ids(tok, before, new, schemas, prefix)
         assert tok.decode(run_ids, skip_special_tokens=False).count(ForgeTool.text) == 1
     assert_token_exact(out, tok, server, loop)
 
