@@ -47,7 +47,9 @@ class AlgoConfig(_Section):
     """Truncated importance sampling cap for the rollout/learner mismatch (see losses.py for exactly
     how it is used in each old_logprobs mode). None disables the correction."""
     temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of the rollouts; learner logits are divided by it so logprobs match."""
+    """The learner divides its logits by it, so it must be the rollouts' sampling temperature. In `agentloop
+    train` it is sampling.temperature (agentloop.config.validate_for_training sets it; a different value
+    set here is an error); set it directly only for a Learner used without the root config."""
 
     @model_validator(mode="after")
     def _check(self) -> "AlgoConfig":

@@ -653,14 +653,14 @@ def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, 
 def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[AlgoConfig, LearnerConfig]:
     """The algo and learner sections of the run's config: `load_config` (the CLI's parser and syntax) on the
     file plus `--set` overrides. An override outside algo./learner. is refused: the learner reads nothing else."""
-    from agentloop.config import load_config, parse_override
+    from agentloop.config import load_config, parse_override, validate_for_training
     from agentloop.errors import ConfigError
 
     for ov in overrides:
         key, _ = parse_override(ov)
         if key.split(".", 1)[0] not in ("algo", "learner") or "." not in key:
             raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE (the learner reads no other section)")
-    cfg = load_config(config, overrides)
+    cfg = validate_for_training(load_config(config, overrides))  # algo.temperature is sampling.temperature
     return cfg.algo, cfg.learner
 
 

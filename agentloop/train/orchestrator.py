@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentloop.config import Config, DataConfig, dump_config
+from agentloop.config import Config, DataConfig, dump_config, validate_for_training
 from agentloop.data import load_samples
 from agentloop.errors import AgentLoopError
 from agentloop.inference.serving import serving
@@ -264,6 +264,7 @@ async def _validate(engine: RolloutEngine, samples: list[Sample], step: int, run
 def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
     from agentloop.rollout.run import load_plugins
 
+    validate_for_training(cfg)
     load_plugins(cfg)
     if cfg.learner.checkpoint_every is None:
         cfg.learner.checkpoint_every = max(1, min(10, cfg.train.steps // 4 or 1))

@@ -120,6 +120,11 @@ def test_load_sections(tmp_path):
         load_sections(None, ["algo.clip_ratio_lo=0.1"])
     with pytest.raises(ConfigError, match="expected algo.KEY=VALUE"):
         load_sections(None, ["model.path=x"])
+    # the learner's temperature is the rollouts' sampling temperature; a second, different one is refused
+    f.write_text("sampling: {temperature: 0.7}\n")
+    assert load_sections(f, [])[0].temperature == 0.7
+    with pytest.raises(ConfigError, match=r"algo\.temperature=1 differs from sampling\.temperature=0\.7"):
+        load_sections(f, ["algo.temperature=1.0"])
 
 
 # ---- in-process learner -------------------------------------------------------------------
