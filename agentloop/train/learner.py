@@ -22,13 +22,21 @@ step fails (update.failed written, exit 1) or no batch arrives within
 `learner.batch_timeout_s` (exit 2). The resolved config is written to
 RUN_DIR/learner_config.json.
 
+Its log (LearnerProcess points stdout and stderr at RUN_DIR/learner.log): rank 0 writes one line
+when the model is loaded, when it is ready (fresh or resumed), per step (loss, grad norm, KL,
+entropy, tokens/s, time, where the weights went) before the step's update.done appears, per
+checkpoint, and when it stops, times out or fails (with the traceback); other ranks write warnings
+only. Lines go through the `agentloop.train.learner` logger, whose handler `main` installs on stdout
+and which flushes every line, so they reach the file as they happen whatever the stdout buffering.
+
 Map:
     lr_at                  warmup + constant/cosine schedule, a pure function of the step
     init_distributed       join torchrun's process group, or make a single-rank one
     Learner                model + optimizer (+ reference); compute_logprobs, train_step,
                            save_hf, save_checkpoint, load_checkpoint, close; its micro-batches
                            share a GRPO group's prompt per row where `flops.row_cost` says it pays
-    serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
+    serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains and logs)
+    log_to_stdout          the learner process's log handler (flushed line by line)
     _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
     main                   the command line (learner_process.learner_command builds it)
 
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -56,6 +65,7 @@ from agentloop.train.config import AlgoConfig, LearnerConfig
 from agentloop.train.flops import row_cost
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
+logger = logging.getLogger("agentloop.train.learner")
 __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
@@ -63,6 +73,7 @@ __all__ = [
     "Learner",
     "init_distributed",
     "load_sections",
+    "log_to_stdout",
     "lr_at",
     "main",
     "resolve_device",
@@ -523,6 +534,9 @@ def serve(
     paths = MailboxPaths(Path(run_dir))
     learner = Learner(model_path, algo, cfg)
     rank = learner.rank
+    if rank == 0:
+        logger.info("model %s loaded in %.1fs: %d rank(s) on %s, %s, run dir %s", model_path, time.time() - started,
+                    learner.world, learner.device_type, str(learner.compute_dtype).replace("torch.", ""), run_dir)
     dev = learner.device if learner.device_type == "cuda" else None
     box = LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started) if rank == 0 else None
     syncer = None
@@ -551,6 +565,8 @@ def serve(
             box.clear_after(learner.step)
             box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
                             data_position=data_position, world_size=learner.world)
+            logger.info("ready for step %d (%s)", next_step,
+                        f"resumed from checkpoint {ck}" if ck is not None else "fresh start")
         waited_since = time.monotonic()
         while True:
             msg: Any = None
@@ -573,12 +589,16 @@ def serve(
                 time.sleep(cfg.poll_s)
                 continue
             if msg[0] == "stop":
+                if rank == 0:
+                    logger.info("STOP received before step %d: exiting", next_step)
                 break
             if msg[0] == "bad_batch":
                 raise MailboxError(f"step {next_step}: unreadable batch: {msg[1]}")
             if msg[0] == "timeout":
                 if box is not None:
                     box.update_info(status="failed", error=f"no batch for step {next_step} in {cfg.batch_timeout_s}s")
+                    logger.error("no batch for step %d within learner.batch_timeout_s=%gs: exiting with code %d",
+                                 next_step, cfg.batch_timeout_s, EXIT_TIMEOUT)
                 code = EXIT_TIMEOUT
                 break
             _, records, meta = msg
@@ -586,6 +606,8 @@ def serve(
             try:
                 if box is not None:
                     box.update_info(status="training", step=step)
+                    logger.info("step %d: training on %d records", step, len(records))
+                t_step = time.perf_counter()
                 metrics = learner.train_step(records, step)
                 ckpt_due = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                 wdir = None
@@ -596,11 +618,16 @@ def serve(
                 data_position = meta.get("data_position")
                 if ckpt_due:
                     t = time.perf_counter()
-                    learner.save_checkpoint(paths.checkpoints, data_position=data_position)
+                    ck_dir = learner.save_checkpoint(paths.checkpoints, data_position=data_position)
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
+                    if rank == 0:
+                        logger.info("step %d: checkpoint saved to %s", step, ck_dir)
                 if syncer is not None:
                     metrics.update(_push_weights(learner, syncer, box, step, dev, cfg.weight_sync_timeout_s))
                 if box is not None:
+                    logger.info("step %d done: %s", step, _step_summary(metrics, time.perf_counter() - t_step,
+                                                                       "pushed to the servers" if syncer is not None
+                                                                       else f"weights in {wdir}"))
                     box.write_done(step, wdir, metrics, pushed=syncer is not None)
                     box.prune_weights(cfg.keep_weights)
                     box.update_info(status="ready", next_step=step + 1, last_step=step)
@@ -623,6 +650,13 @@ def serve(
         learner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _step_summary(metrics: dict[str, float], seconds: float, weights: str) -> str:
+    keys = (("actor/loss", "loss"), ("actor/grad_norm", "grad_norm"), ("actor/kl_ref", "kl"),
+            ("actor/entropy", "entropy"), ("perf/tokens_per_s", "tok/s"))
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if isinstance(metrics.get(k), (int, float))]
+    return ", ".join(parts + [f"{seconds:.1f}s", weights])
 
 
 def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, timeout_s: float) -> dict[str, float]:
@@ -664,6 +698,17 @@ def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[Algo
     return cfg.algo, cfg.learner
 
 
+def log_to_stdout(rank: int) -> None:
+    """The learner process's log handler: rank 0 logs INFO and up, other ranks WARNING and up, each line
+    prefixed with the time and rank. logging.StreamHandler flushes after every record, so a line is in
+    learner.log when the call returns, block-buffered stdout or not."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s learner[{rank}] %(levelname)s %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="agentloop.train.learner", description="Mailbox-driven FSDP2 learner.")
     p.add_argument("--run-dir", required=True)
@@ -673,11 +718,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", dest="resume", action="store_false")
     p.add_argument("--heartbeat-s", type=float, default=5.0)
     a = p.parse_args(argv)
-    algo, cfg = load_sections(a.config, a.overrides)
-    from transformers.utils import logging as hf_logging
+    log_to_stdout(int(os.environ.get("RANK", "0")))
+    try:
+        algo, cfg = load_sections(a.config, a.overrides)
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    return serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s)
+        hf_logging.disable_progress_bar()
+        logger.info("starting (pid %d): model %s, run dir %s, temperature %g", os.getpid(), a.model, a.run_dir,
+                    algo.temperature)
+        code = serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s)
+    except Exception as e:  # logged (with the traceback) on every rank, then the process exits 1
+        logger.exception("failed: %s: %s", type(e).__name__, e)
+        code = EXIT_FAILED
+    logger.info("exiting with code %d", code)
+    return code
 
 
 if __name__ == "__main__":

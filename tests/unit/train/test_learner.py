@@ -424,6 +424,9 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
         assert "train_step" in ei.value.traceback
         assert proc.wait(timeout=60) == 1
         assert client.learner_info()["status"] == "failed"
+        log = (run / "learner.log").read_text()
+        assert "learner[0] INFO step 4 done: loss " in log and "learner[0] ERROR failed: IndexError" in log
+        assert "exiting with code 1" in log
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -462,6 +465,55 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
         assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
     assert_weights_close(ref, res.weights_dir, atol=atol)
     assert math.isfinite(res.metrics["actor/entropy"])
+
+
+def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
+    """The learner as `agentloop train` starts it (LearnerProcess, stdout to learner.log): the step's line
+    is in learner.log by the time its update.done is visible, while the learner is still running; the
+    stop is logged too."""
+    from agentloop.config import dump_config, load_config
+    from agentloop.train.learner_process import LearnerProcess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, ["learner.device=cpu", "learner.poll_s=0.05", "learner.lr=0.01"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    lp = LearnerProcess(cfg, run, tiny_model)
+    proc = lp.start()
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        client.wait_ready(120)
+        client.submit(1, make_records(1))
+        client.wait_update(1, 120)
+        log = lp.log_path.read_text()
+        assert proc.poll() is None  # still running: nothing was flushed by an exit
+        assert "agentloop train: starting the learner: " in log.splitlines()[0]
+        assert "learner[0] INFO ready for step 1 (fresh start)" in log
+        step = [ln for ln in log.splitlines() if "learner[0] INFO step 1 done: loss " in ln]
+        assert len(step) == 1 and "grad_norm " in step[0] and f"weights in {run / 'weights' / 'step-000001'}" in step[0]
+        client.stop()
+        assert lp.stop(grace_s=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = lp.log_path.read_text()
+    assert "STOP received before step 2: exiting" in log and "exiting with code 0" in log
+
+
+def test_learner_log_lines_are_flushed_line_by_line(tmp_path):
+    """With stdout a block-buffered file and no PYTHONUNBUFFERED, a logged line is in the file even if the
+    process dies right after it (os._exit skips every flush, like SIGKILL)."""
+    out = tmp_path / "learner.log"
+    code = ("from agentloop.train.learner import log_to_stdout, logger\n"
+            "log_to_stdout(0)\nlogger.info('step 7 done: loss 0.5')\nlogger.debug('hidden')\n"
+            "print('a print is buffered')\nimport os\nos._exit(3)\n")
+    env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
+    with open(out, "wb") as fh:
+        assert subprocess.run([sys.executable, "-c", code], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                              timeout=60).returncode == 3
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("learner[0] INFO step 7 done: loss 0.5"), lines
 
 
 def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
