@@ -6,6 +6,13 @@ Behaviour is switched at run time through `mode`: ok | error500 | error400 | han
 Weight-sync endpoints (disk, tensor, distributed, group init/destroy) are recorded in `admin` and set
 `weight_version` when the request carries one; paths in `refuse` answer `success: false` (HTTP 400).
 GET /server_info reports `tp_size`.
+
+Hooks for tests that must not synchronize by sleeping:
+    events        every request's path in arrival order (/generate, /health, admin paths)
+    wait_until    await a condition on the fake; re-checked on every request, completion and answer
+    hold/release  a gate: while held, /generate requests wait after arriving (counted in `inflight`,
+                  highest count in `peak_inflight`); `hold_after=n` closes the gate after n completions
+    probes        the status of every /health answer, in order
 """
 
 from __future__ import annotations
@@ -40,6 +47,13 @@ class FakeSGLang:
     tp_size: int = 1
     refuse: set[str] = field(default_factory=set)
     paused: bool = False
+    events: list[str] = field(default_factory=list)
+    probes: list[int] = field(default_factory=list)
+    inflight: int = 0
+    peak_inflight: int = 0
+    hold_after: int | None = None
+    _gate: asyncio.Event | None = None
+    _changed: asyncio.Condition | None = None
     _runner: web.AppRunner | None = None
     _unpause: asyncio.Event | None = None
     _inflight: dict[str, asyncio.Future] = field(default_factory=dict)
@@ -59,11 +73,38 @@ class FakeSGLang:
         app.router.add_get("/server_info", self._server_info)
         self._unpause = asyncio.Event()
         self._unpause.set()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._changed = asyncio.Condition()
         self.port = self.port or _free_port()
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
         return self
+
+    async def _note(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_until(self, predicate: Any, timeout: float = 10.0) -> None:
+        """Return once `predicate(self)` holds (checked now and after every change); TimeoutError after `timeout`."""
+        assert self._changed is not None
+
+        async def wait() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: predicate(self))
+
+        await asyncio.wait_for(wait(), timeout)
+
+    def hold(self) -> None:
+        """From now on /generate requests wait after arriving, until `release`."""
+        assert self._gate is not None
+        self._gate.clear()
+
+    def release(self) -> None:
+        assert self._gate is not None
+        self._gate.set()
 
     async def stop(self) -> None:
         """Like a killed process: the socket closes and in-flight connections drop."""
@@ -72,9 +113,11 @@ class FakeSGLang:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
-        if not self.healthy or self.mode == "hang":
-            return web.Response(status=503, text="unhealthy")
-        return web.Response(text="ok")
+        self.events.append(request.path)
+        status = 503 if not self.healthy or self.mode == "hang" else 200
+        self.probes.append(status)
+        await self._note()
+        return web.Response(status=status, text="ok" if status == 200 else "unhealthy")
 
     @staticmethod
     def tokens_for(input_ids: list[int], seed: Any, n: int, vocab: int, eos: int) -> list[int]:
@@ -88,6 +131,8 @@ class FakeSGLang:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        self.events.append(request.path)
+        await self._note()
         rid = body.get("rid", "")
         if self.mode == "error500":
             return web.Response(status=500, text="internal error (injected)")
@@ -99,12 +144,22 @@ class FakeSGLang:
             return web.Response(text="{not json")
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        assert self._unpause is not None
-        await self._unpause.wait()
+        assert self._unpause is not None and self._gate is not None
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        await self._note()
+        try:
+            await self._gate.wait()
+            await self._unpause.wait()
+        finally:
+            self.inflight -= 1
         sp = body.get("sampling_params", {})
         ids = self.tokens_for(body["input_ids"], sp.get("sampling_seed"), int(sp.get("max_new_tokens", 16)),
                               self.vocab, self.eos_id)
         self.completed.append(rid)
+        if self.hold_after is not None and len(self.completed) >= self.hold_after:
+            self._gate.clear()
+        await self._note()
         meta = {
             "id": rid,
             "finish_reason": {"type": "length", "length": len(ids)},
@@ -124,6 +179,8 @@ class FakeSGLang:
         body = await request.json() if request.can_read_body else {}
         path = request.path
         self.admin.append((path, body))
+        self.events.append(path)
+        await self._note()
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
