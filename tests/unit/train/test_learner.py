@@ -294,9 +294,13 @@ def test_latest_checkpoint_ignores_incomplete(tmp_path):
 
 # ---- mailbox protocol (no model) ----------------------------------------------------------
 
+def _heartbeat(run_dir: Path) -> float:
+    return json.loads((run_dir / "mailbox" / "learner.json").read_text())["heartbeat"]
+
+
 def test_mailbox_protocol_and_errors(tmp_path):
-    client = MailboxClient(tmp_path, heartbeat_timeout_s=0.5, poll_s=0.02)
-    box = LearnerMailbox(tmp_path, heartbeat_s=60)
+    client = MailboxClient(tmp_path, heartbeat_timeout_s=30, poll_s=0.02)
+    box = LearnerMailbox(tmp_path, heartbeat_s=0.02)
     recs = make_records(1)
     client.submit(1, recs, data_position=5)
     client.submit(1, recs[:1])  # already ready: no-op
@@ -320,10 +324,19 @@ def test_mailbox_protocol_and_errors(tmp_path):
     assert "Traceback" in ei.value.traceback
     with pytest.raises(MailboxTimeout):
         client.wait_update(3, 0.1)
+    # the heartbeat thread beats on its own ...
+    first = _heartbeat(tmp_path)
+    deadline = time.monotonic() + 30
+    while _heartbeat(tmp_path) == first:
+        assert time.monotonic() < deadline, "the heartbeat thread never rewrote learner.json"
+    client.check_alive()
+    # ... and once it has stopped, a heartbeat older than heartbeat_timeout_s means a dead learner (the file is
+    # back-dated instead of waiting out the timeout)
     box._stop.set()
     box._thread.join()
-    time.sleep(0.6)  # heartbeat goes stale
-    with pytest.raises(LearnerDiedError, match="heartbeat"):
+    info = json.loads(box.paths.learner_info.read_text())
+    box.paths.learner_info.write_text(json.dumps({**info, "heartbeat": time.time() - 60}))
+    with pytest.raises(LearnerDiedError, match="heartbeat is 60s old"):
         client.wait_update(3, 5.0)
     box.close()
     client.stop()
