@@ -28,6 +28,7 @@ from agentloop.train.mailbox import (
     MailboxError,
     MailboxTimeout,
 )
+from tests.unit.api_check import assert_public_api
 
 VOCAB = 96
 
@@ -569,10 +570,15 @@ def test_gpu_bf16_step(tiny_model, tmp_path):
 
 
 def test_public_api_and_light_config_import():
+    import importlib
+
     import agentloop.train as train
 
-    for name in train.__all__:
-        assert getattr(train, name) is not None, name
+    assert_public_api(train, names=train._EXPORTS)  # resolved lazily, from the module _EXPORTS names
+    for name, mod in train._EXPORTS.items():
+        assert getattr(train, name) is getattr(importlib.import_module(f"agentloop.train.{mod}"), name), name
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        train.Nope  # noqa: B018
     # the root config mounts AlgoConfig/LearnerConfig: importing them must not import torch
     code = "import sys, agentloop.train.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
