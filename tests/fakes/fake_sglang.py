@@ -53,6 +53,9 @@ class FakeSGLang:
     peak_inflight: int = 0
     hold_after: int | None = None
     _gate: asyncio.Event | None = None
+    _transports: set[Any] = field(default_factory=set)
+    _listener: asyncio.AbstractServer | None = None
+    _stopping: bool = False
     _changed: asyncio.Condition | None = None
     _runner: web.AppRunner | None = None
     _unpause: asyncio.Event | None = None
@@ -79,7 +82,14 @@ class FakeSGLang:
         self.port = self.port or _free_port()
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        # Our own listener rather than web.TCPSite, so that stop() can reset every connection, also one the
+        # event loop accepted just before the stop and connects just after it (aiohttp would leave that
+        # socket open, and pytest fails a later test on its ResourceWarning).
+        handler = self._runner.server
+        assert handler is not None
+        self._stopping = False
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _Tracked(self, handler()), "127.0.0.1", self.port, reuse_address=True)
         return self
 
     async def _note(self) -> None:
@@ -107,7 +117,15 @@ class FakeSGLang:
         self._gate.set()
 
     async def stop(self) -> None:
-        """Like a killed process: the socket closes and in-flight connections drop."""
+        """Like a killed process: the socket closes and in-flight connections drop (reset at once, so no
+        request still held by the gate or a hang leaves its socket to the garbage collector)."""
+        self._stopping = True
+        for transport in list(self._transports):
+            transport.abort()
+        self._transports.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -198,6 +216,40 @@ class FakeSGLang:
                 self.weight_version = str(body["weight_version"])
             return web.json_response({"success": True, "message": "ok"})
         return web.json_response({"success": True})
+
+
+class _Tracked(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the connection's transport known to the fake: stop()
+    resets every live one, and one that connects after stop() began is reset at once (a dead process)."""
+
+    def __init__(self, fake: FakeSGLang, inner: Any):
+        self.fake, self.inner, self.transport, self.live = fake, inner, None, False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        if self.fake._stopping:
+            transport.abort()
+            return
+        self.fake._transports.add(transport)
+        self.live = True
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.fake._transports.discard(self.transport)
+        if self.live:
+            self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 async def start_fakes(n: int, **kw: Any) -> list[FakeSGLang]:
