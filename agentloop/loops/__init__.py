@@ -5,7 +5,8 @@ and register it with `register_agent_loop("name", Cls)` (or as a class decorator
     base.py         AgentLoopBase (generate, chat template) and TrajectoryBuilder (ids, mask, logprobs)
     single_turn.py  single_turn_agent_loop
     tool_agent.py   tool_agent_loop: generate, parse calls, run tools, append their tokens, repeat
-    template.py     chat-template diffing (append-only check, the turn suffix)
+    template.py     chat-template diffing (append-only check, the turn suffix, glue vs content of new messages)
+    env_tokens.py   environment text as plain text: no control token (`<|im_end|>`...) can come out of it
 
 May import: the vocabulary, util, the client (server_manager) and tools.
 """
