@@ -63,12 +63,16 @@ class _Codec:
         else:  # a tokenizer without a `tokenizers` backend: its own splitting of every added token
             ids = list(self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text, split_special_tokens=True)))
         bad = sorted(self.ids.intersection(ids))
-        back = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if bad or back != text:
+        back = self._decode(ids)
+        # as faithful as the tokenizer's own encoding of the text (some normalize or add a prefix space)
+        if bad or (back != text and back != self._decode(self.full(text))):
             raise ConfigError(
                 f"the tokenizer ({type(self.tokenizer).__name__}) cannot encode environment text as plain text: "
                 + (f"control token ids {bad} remain" if bad else f"{text[:60]!r} decodes back as {back[:60]!r}"))
         return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def full(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
@@ -124,8 +128,9 @@ def control_token_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def encode_env_text(tokenizer: Any, text: str) -> list[int]:
-    """Ids of `text` read as plain text: no control token id can come out of it, and the ids decode
-    back to exactly `text` (a tokenizer that cannot do both is a ConfigError)."""
+    """Ids of `text` read as plain text: no control token id can come out of it, and the ids decode back
+    to `text` as faithfully as the tokenizer's own encoding does (exactly, for byte-level BPE); a
+    tokenizer that cannot do both is a ConfigError."""
     return _codec(tokenizer).plain(text)
 
 
