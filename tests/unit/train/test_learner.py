@@ -468,6 +468,9 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
         assert info["world_size"] == 2
         client.submit(1, batch)
         res = client.wait_update(1, 120)
+        # through torchrun too, rank 0's step line is in learner.log as soon as the step is done; rank 1 is quiet
+        log = (run / "learner.log").read_text()
+        assert "learner[0] INFO step 1 done: loss " in log and "learner[1] INFO" not in log
         _finish(proc, client, run)
     finally:
         if proc.poll() is None:
