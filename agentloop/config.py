@@ -10,6 +10,8 @@ Map:
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
     Config             the root; `load_config(path, overrides)` builds it
+    validate_for_training  the rules that hold only when rollouts train a policy (`agentloop train`):
+                       one temperature for sampler and learner, no greedy, no truncated sampling
 
 YAML files in configs/ hold any subset of the tree; `key.sub=value` overrides (values parsed
 as YAML) are applied on top. Parsing is done before any heavy import so a typo fails in
@@ -133,13 +135,14 @@ class ManagerConfig(Section):
 
 class SamplingConfig(Section):
     temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature; 0 is greedy."""
+    """Sampling temperature; 0 is greedy (eval only). In training it is also the learner's temperature
+    (its logits are divided by it), and it must be > 0."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Training refuses < 1 unless train.accept_biased_ratios (see there)."""
     top_k: int = Field(default=-1, ge=-1)
-    """Top-k sampling; -1 disables it."""
+    """Top-k sampling; -1 disables it. Training refuses > 0 unless train.accept_biased_ratios."""
     min_p: float = Field(default=0.0, ge=0, le=1)
-    """Min-p sampling threshold; 0 disables it."""
+    """Min-p sampling threshold; 0 disables it. Training refuses > 0 unless train.accept_biased_ratios."""
     max_new_tokens: int = Field(default=64, ge=1)
     """Max tokens generated per episode (single-turn) or per call."""
     stop: list[str] = Field(default_factory=list)
@@ -250,6 +253,11 @@ class TrainConfig(Section):
     """W&B run name (default: the run directory's name); a resumed run continues the same W&B run."""
     resume: bool = True
     """Continue from the learner's last checkpoint in run_dir when there is one."""
+    accept_biased_ratios: bool = False
+    """Train although sampling.top_p < 1, top_k > 0 or min_p > 0. The server's logprobs are those of the
+    full tempered softmax, not of the truncated distribution that actually sampled, so every PPO ratio,
+    TIS weight and KL estimate is then computed against the wrong behaviour policy. Off: such a
+    sampling config is an error in training."""
 
 
 class Config(Section):
@@ -289,6 +297,37 @@ class Config(Section):
         if not self.server.urls and self.server.num_local == 0:
             raise ValueError("no servers: set server.urls or server.num_local >= 1")
         return self
+
+
+def validate_for_training(cfg: Config) -> Config:
+    """Check the rules that hold only when the rollouts train a policy, and make `sampling.temperature`
+    the learner's temperature (`algo.temperature`). Raises ConfigError naming every broken rule.
+
+    SGLang returns log_softmax(logits / T) over the full vocabulary for sampled tokens (greedy: untempered
+    logits), and top_p/top_k/min_p only shape what is sampled, not the logprobs it returns. So the learner
+    must divide its logits by the very T the servers sampled with, T must be > 0, and truncated sampling
+    makes the recorded logprobs those of a distribution that did not sample. `agentloop rollout` (eval)
+    does not call this: any sampling is fine there. Called by `agentloop train` and the learner process.
+    """
+    s, problems = cfg.sampling, []
+    if s.temperature <= 0:
+        problems.append("sampling.temperature=0 (greedy) cannot train: greedy sampling has no policy ratio, and "
+                        "SGLang returns untempered logprobs for it; set sampling.temperature > 0")
+    if "temperature" in cfg.algo.model_fields_set and cfg.algo.temperature != s.temperature:
+        problems.append(f"algo.temperature={cfg.algo.temperature:g} differs from sampling.temperature="
+                        f"{s.temperature:g}: the learner must divide its logits by the temperature the rollouts "
+                        "were sampled at; set sampling.temperature only (algo.temperature follows it)")
+    truncated = [f"{k}={v}" for k, v, on in (("sampling.top_p", s.top_p, s.top_p < 1),
+                                              ("sampling.top_k", s.top_k, s.top_k > 0),
+                                              ("sampling.min_p", s.min_p, s.min_p > 0)) if on]
+    if truncated and not cfg.train.accept_biased_ratios:
+        problems.append(f"{', '.join(truncated)} truncates sampling, but the server's logprobs are those of the "
+                        "full tempered softmax, so PPO ratios and TIS weights would be off; use the defaults "
+                        "(top_p=1, top_k=-1, min_p=0) or set train.accept_biased_ratios=true to train anyway")
+    if problems:
+        raise ConfigError("config cannot be used for training:\n  " + "\n  ".join(problems))
+    cfg.algo.temperature = s.temperature
+    return cfg
 
 
 class SamplingParams(SamplingConfig):

@@ -6,7 +6,8 @@ and register it with `register_agent_loop("name", Cls)` (or as a class decorator
     single_turn.py  single_turn_agent_loop
     tool_agent.py   tool_agent_loop: generate, parse calls, run tools, append their tokens, repeat
     search_r1.py    search_r1_agent_loop: Search-R1's <search>/<information>/<answer> protocol
-    template.py     chat-template diffing (append-only check, the turn suffix)
+    template.py     chat-template diffing (append-only check, the turn suffix, glue vs content of new messages)
+    env_tokens.py   environment text as plain text: no control token (`<|im_end|>`...) can come out of it
 
 May import: the vocabulary, util, the client (server_manager) and tools.
 """

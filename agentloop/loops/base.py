@@ -5,6 +5,9 @@
 
 A loop talks to servers only through `self.generate(...)` (token ids in, token ids out),
 so everything it returns is exactly what the model sampled or what the environment added.
+Environment text (tool output, observations) is tokenized with `self.encode_env(text)`: as plain
+text, so a control token's string in it (say "<|im_end|>") can never become the real token
+(agentloop.loops.env_tokens); template glue around it comes from the chat template.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from agentloop.config import Config, SamplingParams, derive_seed
 from agentloop.errors import ConfigError, PromptTooLongError
+from agentloop.loops.env_tokens import encode_env_text
 from agentloop.records import AgentLoopOutput, Sample, TokenOutput
 
 if TYPE_CHECKING:
@@ -25,6 +29,8 @@ class TrajectoryBuilder:
 
     Model tokens (`add_model`) carry mask 1, the server's logprobs and the weight version that
     sampled each one; environment and template tokens (`add_env`) carry mask 0, logprob 0.0 and no version.
+    Tokenize environment text for `add_env` with `AgentLoopBase.encode_env` (plain text: no control
+    tokens can come out of it).
     """
 
     def __init__(self, prompt_ids: list[int]):
@@ -141,6 +147,12 @@ class AgentLoopBase(ABC):
             raise ConfigError(f"data.apply_chat_template=false needs a prompt of exactly one text message, "
                               f"got {len(messages)} messages")
         return list(self.tokenizer.encode(messages[0]["content"], add_special_tokens=False))
+
+    def encode_env(self, text: str) -> list[int]:
+        """Token ids of environment text for `TrajectoryBuilder.add_env`: read as plain text, so a tool
+        or environment that prints "<|im_end|>" (or any control token of the tokenizer and its chat
+        template) adds those characters, never the token; the ids decode back to exactly `text`."""
+        return encode_env_text(self.tokenizer, text)
 
     def budget(self, prompt_len: int, wanted: int) -> int:
         """New-token budget for a call: `wanted`, capped by what is left of the context.

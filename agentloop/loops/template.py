@@ -1,15 +1,21 @@
-"""Chat-template diffing for multi-turn loops: is the template append-only for tool turns, and what text
-does it write after an assistant message (e.g. "<|im_end|>\\n")? Measured once per template.
+"""Chat-template diffing for multi-turn loops: is the template append-only for tool turns, what text
+does it write after an assistant message (e.g. "<|im_end|>\\n")? Measured once per template. And the
+text new messages add, split into template glue and message content.
 
     TemplateInfo    the measured turn suffix
     template_info   render a probe conversation four ways, check each rendering extends the previous one
+    env_segments    the text appended by new (tool/environment) messages as glue and content segments,
+                    found by rendering their contents as placeholders (see env_tokens for why)
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from agentloop.errors import ConfigError
+from agentloop.loops.env_tokens import Segment
 
 _MARK = "AGENTLOOP_CONTENT_END_7f3a"
 
@@ -77,3 +83,50 @@ def template_info(render, *, check: bool = True, cache_key: str | None = None) -
     if cache_key is not None:
         _TEMPLATE_CACHE[cache_key] = info
     return info
+
+
+
+_PLACEHOLDER = "\ue000agentloop-env-{}-" + secrets.token_hex(4) + "\ue001"
+"""Stands for the i-th new message's content in a rendering (private-use characters and a per-process
+nonce, so no real text contains it)."""
+
+
+def env_segments(render: Callable[[list[dict[str, Any]], list[dict] | None, bool], str],
+                 history: list[dict[str, Any]], new_messages: list[dict[str, Any]], tools: list[dict] | None,
+                 *, prefix: str = "") -> list[Segment]:
+    """The text that `new_messages` add after `history` (`render(history + new, tools, True)` minus
+    `render(history, tools, False)`), preceded by `prefix` (glue), as glue and content segments.
+
+    Each new message's `content` is rendered as a placeholder, so where the template's own text ends
+    and a message's text begins is known exactly. Raises ConfigError when the template is not
+    append-only here, or when it alters a message's content (then the split cannot be trusted).
+    """
+    a = render(history, tools, False)
+    real = render(history + new_messages, tools, True)
+    require_prefix(a, real, "adding tool messages changed the text before them")
+    contents: list[str] = []
+    marked = []
+    for m in new_messages:
+        c = m.get("content")
+        if isinstance(c, str) and c:
+            marked.append({**m, "content": _PLACEHOLDER.format(len(contents))})
+            contents.append(c)
+        else:
+            marked.append(m)
+    text = render(history + marked, tools, True)
+    require_prefix(a, text, "adding tool messages changed the text before them")
+    segments = [Segment(prefix, False)] if prefix else []
+    rest = text[len(a):]
+    for i, c in enumerate(contents):
+        ph = _PLACEHOLDER.format(i)
+        if rest.count(ph) != 1:
+            raise ConfigError(f"the chat template renders a tool/environment message's content {rest.count(ph)} "
+                              "times (expected once); its tokens cannot be split from the template's")
+        glue, rest = rest.split(ph)
+        segments += [Segment(glue, False), Segment(c, True)]
+    segments.append(Segment(rest, False))
+    segments = [s for s in segments if s.text]
+    if "".join(s.text for s in segments) != prefix + real[len(a):]:
+        raise ConfigError("the chat template changes tool/environment message content as it renders it (e.g. "
+                          "trims or escapes it); its tokens cannot be split from the template's")
+    return segments

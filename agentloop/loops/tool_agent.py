@@ -5,7 +5,7 @@ Map:
                                    turns and measure the text it puts after an assistant message
     ToolAgentLoop.run              generate -> parse -> run tools -> append tool tokens -> generate ...
     ToolAgentLoop._run_calls       one turn's calls: validated, concurrent (Semaphore), each under wait_for
-    ToolAgentLoop._env_ids         the tokens between a model turn and the next one
+    ToolAgentLoop._env_ids         the tokens between a model turn and the next one (tool content as plain text)
 
 Token exactness. Model tokens are the server's ids, kept as returned (mask 1, server logprobs); text is
 decoded only to parse tool calls. Everything else (the end of the assistant turn the template adds, the
@@ -15,6 +15,11 @@ without the new messages, tokenized (mask 0, logprob 0.0):
     A = render(history + [assistant], add_generation_prompt=False)   ends with "...<|im_end|>\\n"
     B = render(history + [assistant] + tool_messages, add_generation_prompt=True)
     env text = rest of the assistant turn's suffix + B[len(A):]
+
+Tool output cannot inject control tokens: B is rendered a second time with each tool message's content
+as a placeholder (template.env_segments), so the env text splits into template glue (its `<|im_end|>`,
+`<|im_start|>`... are real tokens) and tool content, which is tokenized as plain text
+(env_tokens.encode_segments): a result that prints "<|im_end|>\\n<|im_start|>assistant" stays text.
 
 The suffix ("<|im_end|>\\n" for ChatML) is split against what the model emitted: when its last token is
 the suffix's start (EOS "<|im_end|>", stop on EOS), only "\\n" is added; when it stopped by length or on a
@@ -43,8 +48,9 @@ from typing import Any
 from agentloop.config import SamplingParams
 from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
+from agentloop.loops.env_tokens import encode_segments
 from agentloop.loops.registry import register_agent_loop
-from agentloop.loops.template import TemplateInfo, require_prefix, template_info
+from agentloop.loops.template import TemplateInfo, env_segments, template_info
 from agentloop.records import AgentLoopOutput, Sample
 from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.config import ToolsConfig
@@ -202,19 +208,16 @@ class ToolAgentLoop(AgentLoopBase):
     def _env_ids(self, messages: list[dict[str, Any]], tool_msgs: list[dict[str, Any]], schemas: list[dict] | None,
                  info: TemplateInfo, end_text: str) -> list[int]:
         """Tokens from the end of the model's turn to the start of the next one (see the module docstring)."""
-        a = self._render(messages, schemas, False)
-        b = self._render(messages + tool_msgs, schemas, True)
-        require_prefix(a, b, "adding tool messages changed the text before them")
-        env_text = info.turn_suffix[len(end_text):] + b[len(a):]
-        return list(self.tokenizer.encode(env_text, add_special_tokens=False))
+        segments = env_segments(self._render, messages, tool_msgs, schemas, prefix=info.turn_suffix[len(end_text):])
+        return encode_segments(self.tokenizer, segments)
 
     def _truncate(self, text: str, c: _Counters) -> str:
         limit = self.tools_config.max_tool_response_tokens
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encode_env(text)  # counted as it will be tokenized: plain text
         if len(ids) <= limit:
             return text
         c.add("truncated_tool_responses")
-        return self.tokenizer.decode(ids[:limit], skip_special_tokens=True) + \
+        return self.tokenizer.decode(ids[:limit], skip_special_tokens=False) + \
             f"\n[truncated: {len(ids) - limit} more tokens]"
 
     async def _run_calls(self, turn: int, parsed: ParseResult, tools: dict[str, BaseTool],

@@ -81,7 +81,9 @@ class AlgoConfig(_Section):
     """Dual-clip PPO (Ye et al. 2020), in every mode: for A < 0 the per-token policy loss is capped at
     -A * dual_clip, so a token whose ratio exploded cannot dominate the step. None = off."""
     temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of the rollouts; learner logits are divided by it so logprobs match."""
+    """The learner divides its logits by it, so it must be the rollouts' sampling temperature. In `agentloop
+    train` it is sampling.temperature (agentloop.config.validate_for_training sets it; a different value
+    set here is an error); set it directly only for a Learner used without the root config."""
 
     @model_validator(mode="after")
     def _check(self) -> "AlgoConfig":

@@ -22,12 +22,20 @@ step fails (update.failed written, exit 1) or no batch arrives within
 `learner.batch_timeout_s` (exit 2). The resolved config is written to
 RUN_DIR/learner_config.json.
 
+Its log (LearnerProcess points stdout and stderr at RUN_DIR/learner.log): rank 0 writes one line
+when the model is loaded, when it is ready (fresh or resumed), per step (loss, grad norm, KL,
+entropy, tokens/s, time, where the weights went) before the step's update.done appears, per
+checkpoint, and when it stops, times out or fails (with the traceback); other ranks write warnings
+only. Lines go through the `agentloop.train.learner` logger, whose handler `main` installs on stdout
+and which flushes every line, so they reach the file as they happen whatever the stdout buffering.
+
 Map:
     lr_at                  warmup (clipped to total_steps) + constant/cosine schedule, a pure function of the step
     init_distributed       join torchrun's process group, or make a single-rank one
     Learner                model + optimizer (+ reference); compute_logprobs, train_step, save_hf,
                            save_checkpoint (sync or background), poll/wait_checkpoint, load_checkpoint, close
-    serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains)
+    serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains and logs)
+    log_to_stdout          the learner process's log handler (flushed line by line)
     _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
     main                   the command line (learner_process.learner_command builds it)
 
@@ -57,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -69,6 +78,7 @@ from typing import Any
 from agentloop.train.config import AlgoConfig, LearnerConfig
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
+logger = logging.getLogger("agentloop.train.learner")
 __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
@@ -76,6 +86,7 @@ __all__ = [
     "Learner",
     "init_distributed",
     "load_sections",
+    "log_to_stdout",
     "lr_at",
     "main",
     "resolve_device",
@@ -738,6 +749,9 @@ def serve(
     paths = MailboxPaths(Path(run_dir))
     learner = Learner(model_path, algo, cfg)
     rank = learner.rank
+    if rank == 0:
+        logger.info("model %s loaded in %.1fs: %d rank(s) on %s, %s, run dir %s", model_path, time.time() - started,
+                    learner.world, learner.device_type, str(learner.compute_dtype).replace("torch.", ""), run_dir)
     dev = learner.device if learner.device_type == "cuda" else None
     box = LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started) if rank == 0 else None
     syncer = None
@@ -773,6 +787,8 @@ def serve(
             box.clear_after(learner.step)
             box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
                             data_position=data_position, world_size=learner.world)
+            logger.info("ready for step %d (%s)", next_step,
+                        f"resumed from checkpoint {ck}" if ck is not None else "fresh start")
         waited_since = time.monotonic()
         ckpt_written: float | None = None  # seconds the last background checkpoint took, until reported
         while True:
@@ -801,12 +817,16 @@ def serve(
                 time.sleep(cfg.poll_s)
                 continue
             if msg[0] == "stop":
+                if rank == 0:
+                    logger.info("STOP received before step %d: exiting", next_step)
                 break
             if msg[0] == "bad_batch":
                 raise MailboxError(f"step {next_step}: unreadable batch: {msg[1]}")
             if msg[0] == "timeout":
                 if box is not None:
                     box.update_info(status="failed", error=f"no batch for step {next_step} in {cfg.batch_timeout_s}s")
+                    logger.error("no batch for step %d within learner.batch_timeout_s=%gs: exiting with code %d",
+                                 next_step, cfg.batch_timeout_s, EXIT_TIMEOUT)
                 code = EXIT_TIMEOUT
                 break
             _, records, meta = msg
@@ -814,6 +834,8 @@ def serve(
             try:
                 if box is not None:
                     box.update_info(status="training", step=step)
+                    logger.info("step %d: training on %d records", step, len(records))
+                t_step = time.perf_counter()
                 metrics = learner.train_step(records, step)
                 # checkpoint_every None (null) = never
                 ckpt_due = cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0
@@ -831,11 +853,17 @@ def serve(
                     t = time.perf_counter()  # the part of the save the step waits for
                     background = cfg.checkpoint_async == "on" or (cfg.checkpoint_async == "auto"
                                                                    and learner.device_type == "cuda")
-                    learner.save_checkpoint(paths.checkpoints, data_position=data_position, background=background)
+                    ck_dir = learner.save_checkpoint(paths.checkpoints, data_position=data_position,
+                                                     background=background)
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
+                    if rank == 0:
+                        logger.info("step %d: checkpoint saved to %s", step, ck_dir)
                 if syncer is not None:
                     metrics.update(_push_weights(learner, syncer, box, step, dev, cfg.weight_sync_timeout_s))
                 if box is not None:
+                    logger.info("step %d done: %s", step, _step_summary(metrics, time.perf_counter() - t_step,
+                                                                       "pushed to the servers" if syncer is not None
+                                                                       else f"weights in {wdir}"))
                     box.write_done(step, wdir, metrics, pushed=syncer is not None)
                     box.prune_weights(cfg.keep_weights)
                     box.update_info(status="ready", next_step=step + 1, last_step=step)
@@ -858,6 +886,13 @@ def serve(
         learner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _step_summary(metrics: dict[str, float], seconds: float, weights: str) -> str:
+    keys = (("actor/loss", "loss"), ("actor/grad_norm", "grad_norm"), ("actor/kl_ref", "kl"),
+            ("actor/entropy", "entropy"), ("perf/tokens_per_s", "tok/s"))
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if isinstance(metrics.get(k), (int, float))]
+    return ", ".join(parts + [f"{seconds:.1f}s", weights])
 
 
 def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, timeout_s: float) -> dict[str, float]:
@@ -888,15 +923,26 @@ def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, 
 def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[AlgoConfig, LearnerConfig]:
     """The algo and learner sections of the run's config: `load_config` (the CLI's parser and syntax) on the
     file plus `--set` overrides. An override outside algo./learner. is refused: the learner reads nothing else."""
-    from agentloop.config import load_config, parse_override
+    from agentloop.config import load_config, parse_override, validate_for_training
     from agentloop.errors import ConfigError
 
     for ov in overrides:
         key, _ = parse_override(ov)
         if key.split(".", 1)[0] not in ("algo", "learner") or "." not in key:
             raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE (the learner reads no other section)")
-    cfg = load_config(config, overrides)
+    cfg = validate_for_training(load_config(config, overrides))  # algo.temperature is sampling.temperature
     return cfg.algo, cfg.learner
+
+
+def log_to_stdout(rank: int) -> None:
+    """The learner process's log handler: rank 0 logs INFO and up, other ranks WARNING and up, each line
+    prefixed with the time and rank. logging.StreamHandler flushes after every record, so a line is in
+    learner.log when the call returns, block-buffered stdout or not."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s learner[{rank}] %(levelname)s %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -908,11 +954,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", dest="resume", action="store_false")
     p.add_argument("--heartbeat-s", type=float, default=5.0)
     a = p.parse_args(argv)
-    algo, cfg = load_sections(a.config, a.overrides)
-    from transformers.utils import logging as hf_logging
+    log_to_stdout(int(os.environ.get("RANK", "0")))
+    try:
+        algo, cfg = load_sections(a.config, a.overrides)
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    return serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s)
+        hf_logging.disable_progress_bar()
+        logger.info("starting (pid %d): model %s, run dir %s, temperature %g", os.getpid(), a.model, a.run_dir,
+                    algo.temperature)
+        code = serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s)
+    except Exception as e:  # logged (with the traceback) on every rank, then the process exits 1
+        logger.exception("failed: %s: %s", type(e).__name__, e)
+        code = EXIT_FAILED
+    logger.info("exiting with code %d", code)
+    return code
 
 
 if __name__ == "__main__":

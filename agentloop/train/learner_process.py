@@ -1,6 +1,9 @@
 """LearnerProcess: the learner ranks as one child process group of `agentloop train` (torchrun for
 nproc > 1), its output in run_dir/learner.log, a bounded shutdown, and death with the orchestrator.
 
+learner.log opens with the command line (written here), then holds the learner's own lines (rank 0's
+progress, every rank's warnings and errors: see agentloop.train.learner) and anything its libraries print.
+
 The orchestrator never imports the learner (torch, FSDP): it starts it by command line and talks to it
 through the mailbox; `learner_command` is that command line.
 """
@@ -9,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from agentloop.config import Config
@@ -55,6 +60,10 @@ class LearnerProcess:
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         log = self.log_path.open("ab")
+        # Our own first line: a learner that dies before it logs anything still leaves its command here.
+        log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} agentloop train: starting the learner: "
+                  f"{shlex.join(self.cmd)}\n".encode())
+        log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)

@@ -46,7 +46,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agentloop.config import Config, DataConfig, dump_config
+from agentloop.config import Config, DataConfig, dump_config, validate_for_training
 from agentloop.data import load_samples
 from agentloop.errors import AgentLoopError
 from agentloop.inference.serving import serving
@@ -536,6 +536,7 @@ def resolve_learner_defaults(cfg: Config) -> None:
 def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
     from agentloop.rollout.run import load_plugins
 
+    validate_for_training(cfg)
     # rows may bring the python tool or the code reward: refuse unisolated model code up front
     require_isolation(cfg.tools.python, "agentloop train")
     load_plugins(cfg)

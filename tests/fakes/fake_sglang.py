@@ -14,6 +14,13 @@ hold the request and go on after /continue_generation; responses carry `weight_v
 `weight_sessions=True` behaves like SGLang 0.5.23: /begin_weight_update and /end_weight_update exist,
 and tensor/distributed updates outside a session answer 400; False (the default) like 0.5.17: those
 endpoints answer 404.
+
+Hooks for tests that must not synchronize by sleeping:
+    events        every request's path in arrival order (/generate, /health, admin paths)
+    wait_until    await a condition on the fake; re-checked on every request, completion and answer
+    hold/release  a gate: while held, /generate requests wait after arriving (counted in `inflight`,
+                  highest count in `peak_inflight`); `hold_after=n` closes the gate after n completions
+    probes        the status of every /health answer, in order
 """
 
 from __future__ import annotations
@@ -54,6 +61,16 @@ class FakeSGLang:
     started: asyncio.Event | None = None
     weight_sessions: bool = False
     session_open: bool = False
+    events: list[str] = field(default_factory=list)
+    probes: list[int] = field(default_factory=list)
+    inflight: int = 0
+    peak_inflight: int = 0
+    hold_after: int | None = None
+    _gate: asyncio.Event | None = None
+    _transports: set[Any] = field(default_factory=set)
+    _listener: asyncio.AbstractServer | None = None
+    _stopping: bool = False
+    _changed: asyncio.Condition | None = None
     _runner: web.AppRunner | None = None
     _unpause: asyncio.Event | None = None
     _inflight: dict[str, asyncio.Future] = field(default_factory=dict)
@@ -82,14 +99,56 @@ class FakeSGLang:
         self._idle = asyncio.Event()
         self._idle.set()
         self.started = asyncio.Event()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._changed = asyncio.Condition()
         self.port = self.port or _free_port()
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        # Our own listener rather than web.TCPSite, so that stop() can reset every connection, also one the
+        # event loop accepted just before the stop and connects just after it (aiohttp would leave that
+        # socket open, and pytest fails a later test on its ResourceWarning).
+        handler = self._runner.server
+        assert handler is not None
+        self._stopping = False
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _Tracked(self, handler()), "127.0.0.1", self.port, reuse_address=True)
         return self
 
+    async def _note(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_until(self, predicate: Any, timeout: float = 10.0) -> None:
+        """Return once `predicate(self)` holds (checked now and after every change); TimeoutError after `timeout`."""
+        assert self._changed is not None
+
+        async def wait() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: predicate(self))
+
+        await asyncio.wait_for(wait(), timeout)
+
+    def hold(self) -> None:
+        """From now on /generate requests wait after arriving, until `release`."""
+        assert self._gate is not None
+        self._gate.clear()
+
+    def release(self) -> None:
+        assert self._gate is not None
+        self._gate.set()
+
     async def stop(self) -> None:
-        """Like a killed process: the socket closes and in-flight connections drop."""
+        """Like a killed process: the socket closes and in-flight connections drop (reset at once, so no
+        request still held by the gate or a hang leaves its socket to the garbage collector)."""
+        self._stopping = True
+        for transport in list(self._transports):
+            transport.abort()
+        self._transports.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -100,9 +159,11 @@ class FakeSGLang:
         return web.json_response({"model_path": "fake", "weight_version": self.weight_version})
 
     async def _health(self, request: web.Request) -> web.Response:
-        if not self.healthy or self.mode == "hang":
-            return web.Response(status=503, text="unhealthy")
-        return web.Response(text="ok")
+        self.events.append(request.path)
+        status = 503 if not self.healthy or self.mode == "hang" else 200
+        self.probes.append(status)
+        await self._note()
+        return web.Response(status=status, text="ok" if status == 200 else "unhealthy")
 
     @staticmethod
     def tokens_for(input_ids: list[int], seed: Any, n: int, vocab: int, eos: int) -> list[int]:
@@ -116,6 +177,8 @@ class FakeSGLang:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        self.events.append(request.path)
+        await self._note()
         rid = body.get("rid", "")
         if self.mode == "error500":
             return web.Response(status=500, text="internal error (injected)")
@@ -127,8 +190,15 @@ class FakeSGLang:
             return web.Response(text="{not json")
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        assert self._unpause is not None
-        await self._unpause.wait()
+        assert self._unpause is not None and self._gate is not None
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        await self._note()
+        try:
+            await self._gate.wait()
+            await self._unpause.wait()
+        finally:
+            self.inflight -= 1
         sp = body.get("sampling_params", {})
         ids = self.tokens_for(body["input_ids"], sp.get("sampling_seed"), int(sp.get("max_new_tokens", 16)),
                               self.vocab, self.eos_id)
@@ -150,6 +220,9 @@ class FakeSGLang:
         else:
             spans[-1][2] = len(ids)
         self.completed.append(rid)
+        if self.hold_after is not None and len(self.completed) >= self.hold_after:
+            self._gate.clear()
+        await self._note()
         meta = {
             "id": rid,
             "finish_reason": finish,
@@ -187,6 +260,8 @@ class FakeSGLang:
         body = await request.json() if request.can_read_body else {}
         path = request.path
         self.admin.append((path, body))
+        self.events.append(path)
+        await self._note()
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
@@ -222,6 +297,40 @@ class FakeSGLang:
                 self.weight_version = str(body["weight_version"])
             return web.json_response({"success": True, "message": "ok"})
         return web.json_response({"success": True})
+
+
+class _Tracked(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the connection's transport known to the fake: stop()
+    resets every live one, and one that connects after stop() began is reset at once (a dead process)."""
+
+    def __init__(self, fake: FakeSGLang, inner: Any):
+        self.fake, self.inner, self.transport, self.live = fake, inner, None, False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        if self.fake._stopping:
+            transport.abort()
+            return
+        self.fake._transports.add(transport)
+        self.live = True
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.fake._transports.discard(self.transport)
+        if self.live:
+            self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 async def start_fakes(n: int, **kw: Any) -> list[FakeSGLang]:

@@ -85,11 +85,27 @@ def test_bad_model_path_fails_fast_with_log_tail(tmp_path: Path) -> None:
     assert not s.alive() and s.group_pids() == []
 
 
+def _answers_health(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 @pytest.mark.sglang
 def test_kill_during_startup_leaves_no_process(tmp_path: Path, tiny_model_path: Path) -> None:
+    """Killed once SGLang has started its own processes (scheduler, detokenizer) but before it serves:
+    the whole group goes, not just the main process."""
     require_sglang()
     s = LocalServer(tiny_model_path, log_path=tmp_path / "s.log").start()
-    time.sleep(2.0)
+    deadline = time.monotonic() + 240
+    while len(s.group_pids()) < 3:  # a condition poll: children exist only in /proc
+        assert s.alive() and time.monotonic() < deadline, s.log_tail()
+        time.sleep(0.05)
+    assert not _answers_health(s.url)  # still starting up
     assert s.alive() and s.pid in s.group_pids()
     s.kill()
     assert not s.alive() and s.group_pids() == []

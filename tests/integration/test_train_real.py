@@ -83,3 +83,6 @@ def test_one_training_step_changes_server_weights(sglang_server, tiny_model_path
     assert rows[-1]["step"] == 1 and rows[-1]["learner/actor/grad_norm"] > 0
     assert (run_dir / "curves.html").read_text().count("<svg") >= 2
     assert final["learner_exit"] == 0
+    log = (run_dir / "learner.log").read_text()  # the learner's own lines reach it (not just library noise)
+    assert "learner[0] INFO step 1 done: loss " in log and "exiting with code 0" in log
+    assert "temperature 1" in log  # sampling.temperature, taken by the learner

@@ -13,6 +13,7 @@ from agentloop.config import (
     derive_seed,
     dump_config,
     load_config,
+    validate_for_training,
 )
 from agentloop.errors import ConfigError
 from agentloop.records import AgentLoopOutput, EpisodeRecord, TokenOutput, read_records
@@ -112,3 +113,71 @@ def test_records_roundtrip_and_bad_line(tmp_path):
     assert next(it) == rec
     with pytest.raises(ValueError, match=r"r\.jsonl:2"):
         next(it)
+
+
+# ---------------------------------------------------------------- training-only rules
+
+
+def test_training_takes_the_learner_temperature_from_sampling():
+    cfg = validate_for_training(load_config(None, ["sampling.temperature=0.7"]))
+    assert cfg.algo.temperature == 0.7
+    assert validate_for_training(load_config(None, [])).algo.temperature == 1.0
+    # the same value stated twice is fine; the resolved config reloads and validates again
+    both = load_config(None, ["sampling.temperature=0.7", "algo.temperature=0.7"])
+    assert validate_for_training(both).algo.temperature == 0.7
+    again = load_config(None, [f"{k}={v}" for k, v in (("sampling.temperature", 0.7),
+                                                       ("algo.temperature", cfg.algo.temperature))])
+    validate_for_training(again)
+
+
+def test_training_rejects_two_temperatures():
+    with pytest.raises(ConfigError, match=r"algo\.temperature=0\.5 differs from sampling\.temperature=0\.7"):
+        validate_for_training(load_config(None, ["sampling.temperature=0.7", "algo.temperature=0.5"]))
+    # a resolved config.yaml hand-edited to disagree is refused too
+    tree = yaml.safe_load(dump_config(validate_for_training(load_config(None, ["sampling.temperature=0.7"]))))
+    tree["algo"]["temperature"] = 1.0
+    with pytest.raises(ConfigError, match=r"algo\.temperature=1 differs"):
+        validate_for_training(Config.model_validate(tree))
+
+
+def test_training_rejects_greedy_and_truncated_sampling_naming_the_keys():
+    with pytest.raises(ConfigError, match=r"sampling\.temperature=0 \(greedy\) cannot train"):
+        validate_for_training(load_config(None, ["sampling.temperature=0"]))
+    for over, key in (("sampling.top_p=0.9", r"sampling\.top_p=0\.9"), ("sampling.top_k=20", r"sampling\.top_k=20"),
+                      ("sampling.min_p=0.05", r"sampling\.min_p=0\.05")):
+        with pytest.raises(ConfigError, match=key + r" truncates sampling.*train\.accept_biased_ratios=true"):
+            validate_for_training(load_config(None, [over]))
+        validate_for_training(load_config(None, [over, "train.accept_biased_ratios=true"]))
+    # every problem at once
+    with pytest.raises(ConfigError) as e:
+        validate_for_training(load_config(None, ["sampling.temperature=0", "sampling.top_p=0.5", "algo.temperature=2"]))
+    assert all(k in str(e.value) for k in ("sampling.temperature=0", "algo.temperature=2", "sampling.top_p=0.5"))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("train*.yaml")) + [ROOT / "agentloop/presets/train_tiny.yaml"],
+                         ids=lambda p: p.name)
+def test_shipped_training_configs_pass_the_training_rules(path):
+    cfg = validate_for_training(load_config(path))
+    assert cfg.algo.temperature == cfg.sampling.temperature
+
+
+def test_eval_rollouts_may_sample_any_way():
+    cfg = load_config(None, ["sampling.temperature=0", "sampling.top_p=0.5", "sampling.top_k=3", "sampling.min_p=0.1",
+                             "algo.temperature=0.3"])
+    assert (cfg.sampling.temperature, cfg.sampling.top_k) == (0, 3)
+
+
+def test_agentloop_train_fails_at_once_on_a_bad_combination(capsys, tmp_path, monkeypatch):
+    import agentloop.train.orchestrator as orch
+    from agentloop.cli import main
+
+    def too_far(cfg):
+        raise AssertionError("agentloop train went past its config check")
+
+    monkeypatch.setattr(orch, "make_run_dir", too_far)
+    rc = main(["train", "--server-url", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run"),
+               "sampling.temperature=0.7", "algo.temperature=1.0", "sampling.top_k=5"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "algo.temperature=1 differs from sampling.temperature=0.7" in err and "sampling.top_k=5" in err
+    assert not (tmp_path / "run").exists()  # nothing started

@@ -1,4 +1,7 @@
-"""ServerManager and engine failure behaviour against scripted fake servers on real sockets."""
+"""ServerManager and engine failure behaviour against scripted fake servers on real sockets.
+
+No test synchronizes by sleeping: they wait on the fake's hooks (`wait_until`, `hold`, `hold_after`,
+`events`, `probes`: tests/fakes/fake_sglang.py) or on events of their own."""
 
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ def test_hang_times_out_aborts_and_retries_elsewhere():
             sm.router._rr = 0  # first pick is the hanging server
             out = await sm.generate("ep", prompt_ids=[1, 2], sampling_params=sp())
             g = sm.gauges()
-            await asyncio.sleep(0.1)  # let the best-effort abort land
+            await hang.wait_until(lambda f: "/abort_request" in f.events)  # the best-effort abort lands
         await hang.stop(), await good.stop()
         return out, g, hang
 
@@ -157,41 +160,42 @@ def test_episodes_stick_to_one_server():
 
 
 def test_per_server_cap_is_respected():
+    """12 calls at once, cap 3: the fake holds what reaches it. When 3 requests are there, the manager
+    counts 3 in flight (all 12 tasks have run up to their first wait by then, so without a cap it would
+    count 12 and all would be on their way); after the release every call completes and the server never
+    saw more than 3 at once."""
     async def main():
         (f,) = await start_fakes(1)
-        f.delay_s = 0.05
-        peak = 0
+        f.hold()
         async with ServerManager([f.url], ManagerConfig(**{**FAST, "max_inflight_per_server": 3})) as sm:
-            async def one(i):
-                out = await sm.generate(f"e{i}", prompt_ids=[i + 1], sampling_params=sp())
-                return out
-
-            async def watch():
-                nonlocal peak
-                for _ in range(40):
-                    peak = max(peak, sm.router.servers[0].inflight)
-                    await asyncio.sleep(0.01)
-
-            await asyncio.gather(watch(), *(one(i) for i in range(12)))
+            calls = [asyncio.create_task(sm.generate(f"e{i}", prompt_ids=[i + 1], sampling_params=sp()))
+                     for i in range(12)]
+            await f.wait_until(lambda f: f.inflight >= 3)
+            held = (f.inflight, sm.gauges()["server/inflight"], len(f.requests))
+            f.release()
+            outs = await asyncio.wait_for(asyncio.gather(*calls), 10)
         await f.stop()
-        return peak
+        return held, outs, f
 
-    assert run(main()) == 3
+    held, outs, f = run(main())
+    assert held == (3, 3.0, 3)
+    assert len(outs) == 12 and len(f.completed) == 12
+    assert f.peak_inflight == 3
 
 
 def test_server_killed_mid_rollout_no_episode_lost_or_duplicated():
     async def main():
-        fakes = await start_fakes(3)
-        for f in fakes:
-            f.delay_s = 0.02
-        cfg = engine_cfg()
+        fakes = await start_fakes(3, delay_s=0.02)  # pacing, not synchronization: fewer connects racing a stop
+        fakes[1].hold_after = 3  # the victim answers 3 requests, then holds the rest in flight
+        # nothing here waits for a timeout, so a loaded machine must not turn slow answers (or slow health
+        # probes) of the live servers into ejections; the killed one refuses connections at once
+        cfg = engine_cfg(request_timeout_s=60.0, retry_budget_s=120.0, health_timeout_s=30.0, all_down_grace_s=30.0)
         async with ServerManager([f.url for f in fakes], cfg.manager) as sm:
             engine = RolloutEngine(cfg, sm, tokenizer=None, loop_cls=TwoTurnLoop, progress=False)
 
             async def killer():
-                # kill once the victim has finished some requests (and holds others in flight)
-                while len(fakes[1].completed) < 3:
-                    await asyncio.sleep(0.005)
+                # kill once the victim has finished some requests and holds others in flight
+                await fakes[1].wait_until(lambda f: len(f.completed) >= 3 and f.inflight >= 1)
                 await fakes[1].stop()
 
             result, _ = await asyncio.gather(engine.run(make_samples(60), n_samples=2), killer())
@@ -202,31 +206,35 @@ def test_server_killed_mid_rollout_no_episode_lost_or_duplicated():
     result, fakes = run(main())
     ids = Counter(r.episode_id for r in result.records)
     assert len(ids) == 120 and set(ids.values()) == {1}
-    assert [r for r in result.records if r.error] == []
+    assert sorted({r.error for r in result.records if r.error}) == []
     assert result.stopped is None
-    assert len(fakes[1].completed) > 0  # the killed server did work before dying
+    assert len(fakes[1].completed) == 3  # the killed server did work before dying
     assert result.summary["server/retries"] >= 1
     assert result.summary["mean_reward"] == pytest.approx(0.5)
 
 
 def test_all_servers_gone_stops_run_and_keeps_records():
     async def main():
-        fakes = await start_fakes(2)
-        for f in fakes:
-            f.delay_s = 0.02
+        fakes = await start_fakes(2, delay_s=0.02)  # pacing, not synchronization: fewer connects racing a stop
         cfg = engine_cfg(all_down_grace_s=0.5)
         cfg.rollout.max_concurrency = 8
         written = []
+        five = asyncio.Event()
+
+        def on_record(rec):
+            written.append(rec)
+            if len(written) >= 5:
+                five.set()
+
         async with ServerManager([f.url for f in fakes], cfg.manager) as sm:
             engine = RolloutEngine(cfg, sm, tokenizer=None, loop_cls=TwoTurnLoop, progress=False)
 
             async def killer():
-                while len(written) < 5:  # some records exist before every server dies
-                    await asyncio.sleep(0.005)
+                await asyncio.wait_for(five.wait(), 10)  # some records exist before every server dies
                 for f in fakes:
                     await f.stop()
 
-            result, _ = await asyncio.gather(engine.run(make_samples(200), n_samples=1, on_record=written.append),
+            result, _ = await asyncio.gather(engine.run(make_samples(200), n_samples=1, on_record=on_record),
                                              killer())
         return result, written
 
@@ -269,15 +277,16 @@ def test_episode_exceptions_become_error_records():
 
 
 def test_pause_blocks_new_requests_until_resume_and_weights_broadcast():
+    """A generate issued while paused reaches no server before /continue_generation: each fake's arrival
+    order proves it (sent at once, it would arrive during the two admin round trips that follow)."""
     async def main():
         fakes = await start_fakes(2)
-        async with ServerManager([f.url for f in fakes], ManagerConfig(**FAST)) as sm:
+        async with ServerManager([f.url for f in fakes], ManagerConfig(**{**FAST, "health_interval_s": 30})) as sm:
             await sm.pause()
             task = asyncio.create_task(sm.generate("ep", prompt_ids=[1], sampling_params=sp()))
-            await asyncio.sleep(0.2)
-            assert not task.done()
             await sm.update_weights_from_disk("/tmp/ckpt", weight_version="v7")
             await sm.flush_cache()
+            assert not task.done()
             await sm.resume()
             out = await asyncio.wait_for(task, 5)
         for f in fakes:
@@ -286,32 +295,33 @@ def test_pause_blocks_new_requests_until_resume_and_weights_broadcast():
 
     out, fakes = run(main())
     assert out.weight_version == "v7"
+    admin = ["/pause_generation", "/update_weights_from_disk", "/flush_cache", "/continue_generation"]
     for f in fakes:
-        paths = [p for p, _ in f.admin]
-        assert paths == ["/pause_generation", "/update_weights_from_disk", "/flush_cache", "/continue_generation"]
+        assert [p for p, _ in f.admin] == admin
+    assert sorted(f.events for f in fakes) == [admin, admin + ["/generate"]]
 
 
 def test_ejected_server_is_readmitted_when_healthy_again():
     async def main():
         a, b = await start_fakes(2)
         async with ServerManager([a.url, b.url], ManagerConfig(**FAST)) as sm:
-            async def until(state: bool) -> bool:
-                for _ in range(500):  # health probes every 0.2 s; a loaded box may be slow
-                    if sm.router.servers[0].healthy is state:
-                        break
-                    await asyncio.sleep(0.01)
-                return sm.router.servers[0].healthy
+            async def after_two_probes(status: int) -> float:
+                # probes are sequential: the 2nd answer with `status` was asked for after the manager
+                # had taken in the 1st (eject_after_failures=1), so its verdict is in the gauges now
+                n = len(a.probes)
+                await a.wait_until(lambda f: f.probes[n:].count(status) >= 2)
+                return sm.gauges()["server/0/healthy"]
 
             a.healthy = False
-            down = await until(False)
+            down = await after_two_probes(503)
             a.healthy = True
-            up = await until(True)
+            up = await after_two_probes(200)
             g = sm.gauges()
         await a.stop(), await b.stop()
         return down, up, g
 
     down, up, g = run(main())
-    assert down is False and up is True
+    assert down == 0.0 and up == 1.0
     assert g["server/ejections"] >= 1 and g["server/readmissions"] >= 1
 
 

@@ -24,6 +24,7 @@ from agentloop.data import (
 )
 from agentloop.errors import DataError
 from agentloop.rewards import get_reward, score_episode
+from tests.unit.api_check import assert_public_api
 
 
 def row(**over):
@@ -43,9 +44,8 @@ def write_lines(path, lines):
     return path
 
 
-def test_all_is_true():
-    for name in data.__all__:
-        assert hasattr(data, name), name
+def test_all_is_exactly_the_public_namespace():
+    assert_public_api(data)
 
 
 def test_jsonl_rows_become_samples(tmp_path):

@@ -26,11 +26,11 @@ from agentloop.rewards import (
     score_episode,
 )
 from agentloop.rewards import countdown as countdown_mod
+from tests.unit.api_check import assert_public_api
 
 
-def test_all_is_true():
-    for name in rewards.__all__:
-        assert hasattr(rewards, name), name
+def test_all_is_exactly_the_public_namespace():
+    assert_public_api(rewards)
 
 
 # ---------------------------------------------------------------- registry

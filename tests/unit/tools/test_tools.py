@@ -20,14 +20,11 @@ from agentloop.tools import (
 from agentloop.tools.calculator import CalcError, calculate
 from agentloop.tools.schema import validate
 from agentloop.tools.search import BM25Index, SearchTool, load_corpus
+from tests.unit.api_check import assert_public_api
 
 
 def test_public_api():
-    for name in tools_pkg.__all__:
-        assert hasattr(tools_pkg, name), name
-    from agentloop.tools import BaseTool as B  # noqa: F401
-    from agentloop.tools import ToolResponse as R  # noqa: F401
-    from agentloop.tools import register_tool as r  # noqa: F401
+    assert_public_api(tools_pkg)
 
 
 def test_config_fields_documented():

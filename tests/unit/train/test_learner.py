@@ -29,6 +29,7 @@ from agentloop.train.mailbox import (
     MailboxError,
     MailboxTimeout,
 )
+from tests.unit.api_check import assert_public_api
 
 VOCAB = 96
 JIT_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -143,6 +144,11 @@ def test_load_sections(tmp_path):
         load_sections(None, ["algo.clip_ratio_lo=0.1"])
     with pytest.raises(ConfigError, match="expected algo.KEY=VALUE"):
         load_sections(None, ["model.path=x"])
+    # the learner's temperature is the rollouts' sampling temperature; a second, different one is refused
+    f.write_text("sampling: {temperature: 0.7}\n")
+    assert load_sections(f, [])[0].temperature == 0.7
+    with pytest.raises(ConfigError, match=r"algo\.temperature=1 differs from sampling\.temperature=0\.7"):
+        load_sections(f, ["algo.temperature=1.0"])
 
 
 # ---- in-process learner -------------------------------------------------------------------
@@ -312,9 +318,13 @@ def test_latest_checkpoint_ignores_incomplete(tmp_path):
 
 # ---- mailbox protocol (no model) ----------------------------------------------------------
 
+def _heartbeat(run_dir: Path) -> float:
+    return json.loads((run_dir / "mailbox" / "learner.json").read_text())["heartbeat"]
+
+
 def test_mailbox_protocol_and_errors(tmp_path):
-    client = MailboxClient(tmp_path, heartbeat_timeout_s=0.5, poll_s=0.02)
-    box = LearnerMailbox(tmp_path, heartbeat_s=60)
+    client = MailboxClient(tmp_path, heartbeat_timeout_s=30, poll_s=0.02)
+    box = LearnerMailbox(tmp_path, heartbeat_s=0.02)
     recs = make_records(1)
     client.submit(1, recs, data_position=5)
     client.submit(1, recs[:1])  # already ready: no-op
@@ -338,10 +348,19 @@ def test_mailbox_protocol_and_errors(tmp_path):
     assert "Traceback" in ei.value.traceback
     with pytest.raises(MailboxTimeout):
         client.wait_update(3, 0.1)
+    # the heartbeat thread beats on its own ...
+    first = _heartbeat(tmp_path)
+    deadline = time.monotonic() + 30
+    while _heartbeat(tmp_path) == first:
+        assert time.monotonic() < deadline, "the heartbeat thread never rewrote learner.json"
+    client.check_alive()
+    # ... and once it has stopped, a heartbeat older than heartbeat_timeout_s means a dead learner (the file is
+    # back-dated instead of waiting out the timeout)
     box._stop.set()
     box._thread.join()
-    time.sleep(0.6)  # heartbeat goes stale
-    with pytest.raises(LearnerDiedError, match="heartbeat"):
+    info = json.loads(box.paths.learner_info.read_text())
+    box.paths.learner_info.write_text(json.dumps({**info, "heartbeat": time.time() - 60}))
+    with pytest.raises(LearnerDiedError, match="heartbeat is 60s old"):
         client.wait_update(3, 5.0)
     box.close()
     client.stop()
@@ -442,6 +461,9 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
         assert "train_step" in ei.value.traceback
         assert proc.wait(timeout=60) == 1
         assert client.learner_info()["status"] == "failed"
+        log = (run / "learner.log").read_text()
+        assert "learner[0] INFO step 4 done: loss " in log and "learner[0] ERROR failed: IndexError" in log
+        assert "exiting with code 1" in log
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -469,6 +491,9 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
         assert info["world_size"] == 2
         client.submit(1, batch)
         res = client.wait_update(1, 120)
+        # through torchrun too, rank 0's step line is in learner.log as soon as the step is done; rank 1 is quiet
+        log = (run / "learner.log").read_text()
+        assert "learner[0] INFO step 1 done: loss " in log and "learner[1] INFO" not in log
         _finish(proc, client, run)
     finally:
         if proc.poll() is None:
@@ -480,6 +505,55 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
         assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
     assert_weights_close(ref, res.weights_dir, atol=atol)
     assert math.isfinite(res.metrics["actor/entropy"])
+
+
+def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
+    """The learner as `agentloop train` starts it (LearnerProcess, stdout to learner.log): the step's line
+    is in learner.log by the time its update.done is visible, while the learner is still running; the
+    stop is logged too."""
+    from agentloop.config import dump_config, load_config
+    from agentloop.train.learner_process import LearnerProcess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, ["learner.device=cpu", "learner.poll_s=0.05", "learner.lr=0.01"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    lp = LearnerProcess(cfg, run, tiny_model)
+    proc = lp.start()
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        client.wait_ready(120)
+        client.submit(1, make_records(1))
+        client.wait_update(1, 120)
+        log = lp.log_path.read_text()
+        assert proc.poll() is None  # still running: nothing was flushed by an exit
+        assert "agentloop train: starting the learner: " in log.splitlines()[0]
+        assert "learner[0] INFO ready for step 1 (fresh start)" in log
+        step = [ln for ln in log.splitlines() if "learner[0] INFO step 1 done: loss " in ln]
+        assert len(step) == 1 and "grad_norm " in step[0] and f"weights in {run / 'weights' / 'step-000001'}" in step[0]
+        client.stop()
+        assert lp.stop(grace_s=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = lp.log_path.read_text()
+    assert "STOP received before step 2: exiting" in log and "exiting with code 0" in log
+
+
+def test_learner_log_lines_are_flushed_line_by_line(tmp_path):
+    """With stdout a block-buffered file and no PYTHONUNBUFFERED, a logged line is in the file even if the
+    process dies right after it (os._exit skips every flush, like SIGKILL)."""
+    out = tmp_path / "learner.log"
+    code = ("from agentloop.train.learner import log_to_stdout, logger\n"
+            "log_to_stdout(0)\nlogger.info('step 7 done: loss 0.5')\nlogger.debug('hidden')\n"
+            "print('a print is buffered')\nimport os\nos._exit(3)\n")
+    env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
+    with open(out, "wb") as fh:
+        assert subprocess.run([sys.executable, "-c", code], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                              timeout=60).returncode == 3
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("learner[0] INFO step 7 done: loss 0.5"), lines
 
 
 def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
@@ -524,10 +598,15 @@ def test_gpu_bf16_step(tiny_model, tmp_path):
 
 
 def test_public_api_and_light_config_import():
+    import importlib
+
     import agentloop.train as train
 
-    for name in train.__all__:
-        assert getattr(train, name) is not None, name
+    assert_public_api(train, names=train._EXPORTS)  # resolved lazily, from the module _EXPORTS names
+    for name, mod in train._EXPORTS.items():
+        assert getattr(train, name) is getattr(importlib.import_module(f"agentloop.train.{mod}"), name), name
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        train.Nope  # noqa: B018
     # the root config mounts AlgoConfig/LearnerConfig: importing them must not import torch
     code = "import sys, agentloop.train.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
