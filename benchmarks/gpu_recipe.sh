@@ -1,5 +1,6 @@
 #!/bin/bash
-# STATUS: written on 2026-11-26, not yet run on a GPU (checked here with `bash -n` and DRY_RUN=1 on the CPU).
+# STATUS: run on 2026-11-26 on one NVIDIA H100 (all four recipes, 2 steps x 8 prompts x 4 samples, through
+# benchmarks/gpu_recipes_all.sh; results in benchmarks/RESULTS_recipes.md).
 # One recipe (gsm8k | countdown | search_r1 | code) on one GPU with a 0.5B-shaped model: its data
 # preparation, then `agentloop train --config configs/recipe_$RECIPE.yaml` for a few steps, then the
 # step time split (`agentloop bench train --run-dir`).
