@@ -61,7 +61,8 @@ class CodeProblem:
         self.tests = tests
 
 
-# Tests are assert statements (run in the solution's namespace) or [args, expected] pairs
+# Tests are assert statements (evaluated by the grader in the parent, over the names the solution defines:
+# agentloop/rewards/code_judge.py) or [args, expected] pairs
 # (`entry_point(*args) == expected` after tuples become lists); both forms appear below.
 CODE_PROBLEMS: list[CodeProblem] = [
     CodeProblem(

@@ -181,3 +181,10 @@ def test_agentloop_train_fails_at_once_on_a_bad_combination(capsys, tmp_path, mo
     assert rc == 2
     assert "algo.temperature=1 differs from sampling.temperature=0.7" in err and "sampling.top_k=5" in err
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_configs_train_tiny_is_the_embedded_default():
+    """configs/train_tiny.yaml is documented as a copy of the preset `agentloop train` runs without --config."""
+    ours = load_config(ROOT / "configs/train_tiny.yaml").model_dump()
+    preset = load_config(ROOT / "agentloop/presets/train_tiny.yaml").model_dump()
+    assert ours == preset
