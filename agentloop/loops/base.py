@@ -59,6 +59,14 @@ class TrajectoryBuilder:
         self.response_logprobs.extend([0.0] * len(token_ids))
         self.token_versions.extend([None] * len(token_ids))
 
+    def env_limit(self, token_ids: list[int], max_response_tokens: int, context_length: int) -> str | None:
+        """The finish reason ("token_budget" | "context") if appending `token_ids` would reach a limit, else None."""
+        if len(self.response_ids) + len(token_ids) >= max_response_tokens:
+            return "token_budget"
+        if len(self.all_ids) + len(token_ids) >= context_length:
+            return "context"
+        return None
+
     @property
     def all_ids(self) -> list[int]:
         """Prompt plus response so far: the next call's input_ids."""

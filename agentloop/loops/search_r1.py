@@ -132,15 +132,13 @@ class SearchR1AgentLoop(AgentLoopBase):
             else:
                 obs = INVALID_ACTION
                 m["invalid_actions"] += 1
-            obs_ids = list(self.tokenizer.encode(obs, add_special_tokens=False))
+            obs_ids = self.encode_env(obs)  # retrieved text is plain text: no control token can come out of it
             if len(obs_ids) > cfg.max_tool_response_tokens:
                 obs_ids = obs_ids[:cfg.max_tool_response_tokens]
                 m["truncated_observations"] += 1
-            if len(traj.response_ids) + len(obs_ids) >= cfg.max_response_tokens:
-                finish = "token_budget"
-                break
-            if len(traj.all_ids) + len(obs_ids) >= self.context_length:
-                finish = "context"
+            limit = traj.env_limit(obs_ids, cfg.max_response_tokens, self.context_length)
+            if limit is not None:
+                finish = limit
                 break
             traj.add_env(obs_ids)
         return traj.build(finish_reason=finish, metrics=m,

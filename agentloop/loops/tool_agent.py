@@ -174,11 +174,9 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 tool_msgs = await self._run_calls(turn, parsed, tools, instances, c, trace)
                 env_ids = self._env_ids(messages, tool_msgs, schemas, info, end_text)
-                if len(traj.response_ids) + len(env_ids) >= cfg.max_response_tokens:
-                    finish = "token_budget"
-                    break
-                if len(traj.all_ids) + len(env_ids) >= self.context_length:
-                    finish = "context"
+                limit = traj.env_limit(env_ids, cfg.max_response_tokens, self.context_length)
+                if limit is not None:
+                    finish = limit
                     break
                 messages.extend(tool_msgs)
                 traj.add_env(env_ids)
