@@ -127,6 +127,10 @@ class ManagerConfig(Section):
     answered_grace_s: float = Field(default=30.0, ge=0)
     """A failed health probe does not count against a server that answered a request this recently:
     under heavy load SGLang's /health can miss its timeout while the server works fine."""
+    keepalive_s: float = Field(default=3.0, gt=0)
+    """How long an idle pooled connection is kept for reuse. Below the server's own keep-alive (SGLang's
+    uvicorn closes idle connections after 5 s, SGLANG_TIMEOUT_KEEP_ALIVE): otherwise a request sent just as
+    the server closes the connection fails, which a synchronous run meets after every ~5 s learner step."""
     all_down_grace_s: float = Field(default=20.0, ge=0)
     """How long a request waits for any server to come back before the run is declared dead."""
     admin_timeout_s: float = Field(default=120.0, gt=0)

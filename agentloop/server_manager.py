@@ -14,7 +14,9 @@ Map:
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
-malformed responses are never retried. A request that timed out or whose caller was cancelled is
+malformed responses are never retried. A connection the server closed without answering is retried
+once at once on the same server, uncounted (the keep-alive race; pooled connections also expire
+before the server's keep-alive, `keepalive_s`). A request that timed out or whose caller was cancelled is
 aborted on its server (tracked tasks, drained on close) so it stops burning compute there. Request
 ids are uuids: SGLang aborts by rid prefix, so "7-1" would also abort "7-10". When no server is
 healthy for `all_down_grace_s`, generate raises AllServersDownError, which the engine treats as fatal.
@@ -194,7 +196,7 @@ class ServerManager:
         self._stats = {"requests": 0, "retries": 0, "errors": 0, "timeouts": 0, "ejections": 0,
                        "readmissions": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
                        "interrupted_calls": 0, "continued_calls": 0, "stale_servers": 0, "resyncs": 0,
-                       "cancelled_calls": 0}
+                       "cancelled_calls": 0, "dropped_connections": 0}
         self._down_since: float | None = None
         self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
@@ -210,7 +212,7 @@ class ServerManager:
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=self.cfg.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps)
         if self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="server-health")
@@ -344,6 +346,7 @@ class ServerManager:
         deadline = t0 + self.cfg.retry_budget_s
         avoid: set[int] = set()
         attempt = 0
+        dropped_once = False
         last_err: Exception | None = None
         while True:
             await self._wait_unpaused(deadline)
@@ -370,6 +373,27 @@ class ServerManager:
                 self._stats["cancelled_calls"] += 1
                 self._spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")
                 raise
+            except _Dropped as e:
+                if not dropped_once:
+                    # The server closed the connection without answering: on a pooled connection that is
+                    # the keep-alive race (it closed the idle connection as we sent), not a failing
+                    # server. Once per call it is retried at once, on the same server, uncounted; a dead
+                    # server then refuses the new connection and is counted as usual.
+                    dropped_once = True
+                    self._stats["dropped_connections"] += 1
+                    self._spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")  # in case it did arrive
+                    attempt -= 1
+                    continue
+                self._note_failure(idx)
+                last_err = e
+                avoid.add(idx)
+                if attempt >= self.cfg.max_attempts or time.monotonic() >= deadline:
+                    self._stats["errors"] += 1
+                    raise RetryBudgetExhausted(
+                        f"generate for episode {episode_id} failed after {attempt} attempt(s) in "
+                        f"{time.monotonic() - t0:.1f}s; last error: {e}") from e
+                self._stats["retries"] += 1
+                continue
             except RetryableError as e:
                 self._note_failure(idx)
                 last_err = e
@@ -467,6 +491,8 @@ class ServerManager:
                     raise FatalRequestError(f"{url} sent a non-JSON body: {e}", server=url) from None
         except asyncio.TimeoutError:
             raise _Timeout(f"{url} did not answer within {timeout:.1f}s", server=url) from None
+        except aiohttp.ServerDisconnectedError as e:
+            raise _Dropped(f"{url} closed the connection without answering: {e}", server=url) from None
         except aiohttp.ClientError as e:
             raise RetryableError(f"{url}: {type(e).__name__}: {e}", server=url) from None
         except OSError as e:
@@ -683,6 +709,10 @@ class ServerManager:
             g[f"server/{i}/healthy"] = float(s.healthy)
             g[f"server/{i}/requests"] = float(s.requests)
         return g
+
+
+class _Dropped(RetryableError):
+    """The server closed the connection before answering (retryable; see `_generate_once`)."""
 
 
 class _Timeout(RetryableError):

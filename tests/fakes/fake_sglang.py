@@ -66,6 +66,11 @@ class FakeSGLang:
     inflight: int = 0
     peak_inflight: int = 0
     hold_after: int | None = None
+    drop_next: int = 0
+    connections: int = 0
+    """Connections accepted so far."""
+    """The next N /generate requests find their connection closed as they arrive (unanswered), as when
+    uvicorn closes an idle keep-alive connection just as the client sends on it."""
     _gate: asyncio.Event | None = None
     _transports: set[Any] = field(default_factory=set)
     _listener: asyncio.AbstractServer | None = None
@@ -312,6 +317,7 @@ class _Tracked(asyncio.Protocol):
             transport.abort()
             return
         self.fake._transports.add(transport)
+        self.fake.connections += 1
         self.live = True
         self.inner.connection_made(transport)
 
@@ -321,6 +327,11 @@ class _Tracked(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.fake.drop_next > 0 and data.startswith(b"POST /generate"):
+            self.fake.drop_next -= 1
+            self.fake.events.append("dropped")
+            self.transport.close()
+            return
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:

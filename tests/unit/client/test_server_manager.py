@@ -348,3 +348,52 @@ def test_out_of_vocab_ids_rejected_before_sending():
         return f
 
     assert run(main()).requests == []
+
+
+def test_connection_closed_unanswered_is_retried_once_on_the_same_server_uncounted():
+    """SGLang's uvicorn closes idle keep-alive connections after 5 s; a request sent as it does finds its
+    connection closed unanswered. That is no server failure: a lone server must not be ejected for it (a
+    2-core `agentloop train` lost its only server to two such drops after a ~5 s learner step)."""
+    async def main():
+        (f,) = await start_fakes(1)
+        cfg = ManagerConfig(**{**FAST, "eject_after_failures": 1})
+        async with ServerManager([f.url], cfg) as sm:
+            await sm.generate("warm", prompt_ids=[1, 2, 3], sampling_params=sp())
+            f.drop_next = 1
+            out = await sm.generate("ep", prompt_ids=[1, 2, 3], sampling_params=sp())
+            g1 = sm.gauges()
+            # a server that drops every request is a failing one: the second drop of a call counts
+            f.drop_next = 10**6
+            with pytest.raises(RetryBudgetExhausted):
+                await sm.generate("ep2", prompt_ids=[1, 2, 3], sampling_params=sp())
+            g2 = sm.gauges()
+        f.drop_next = 0
+        await f.stop()
+        return out, g1, g2, f
+
+    out, g1, g2, f = run(main())
+    assert out.server == f.url and out.attempts == 1 and len(out.token_ids) == 8
+    assert g1["server/dropped_connections"] == 1 and g1["server/retries"] == 0
+    assert g1["server/ejections"] == 0 and g1["server/healthy"] == 1
+    assert g2["server/ejections"] >= 1
+
+
+def test_idle_pooled_connections_expire_before_the_servers_keepalive():
+    """An idle connection is not reused after `manager.keepalive_s` (below SGLang's 5 s), so the client
+    does not send on connections the server is about to close: a request after the idle time opens a
+    new connection."""
+    async def main():
+        (f,) = await start_fakes(1)
+        async with ServerManager([f.url], ManagerConfig(**{**FAST, "keepalive_s": 0.05, "health_interval_s": 3600.0})) as sm:
+            await sm.generate("a", prompt_ids=[1, 2, 3], sampling_params=sp())
+            before = f.connections
+            await asyncio.sleep(0.3)  # the idle time itself is what is tested, not a synchronization
+            await sm.generate("b", prompt_ids=[1, 2, 3], sampling_params=sp())
+            after_idle = f.connections
+            await sm.generate("c", prompt_ids=[1, 2, 3], sampling_params=sp())
+            reused = f.connections
+        await f.stop()
+        return before, after_idle, reused
+
+    before, after_idle, reused = run(main())
+    assert after_idle == before + 1 and reused == after_idle
