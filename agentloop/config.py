@@ -181,7 +181,8 @@ class RolloutConfig(Section):
     episode_timeout_s: float = Field(default=1800.0, gt=0)
     """Wall-time limit of one episode; past it the episode becomes an error record."""
     seed: int = 0
-    """Run seed; each episode's sampling seed derives from (seed, sample index, repeat index)."""
+    """Run seed; each episode's sampling seed derives from (seed, the prompt's uid, repeat index, and the
+    attempt when a prompt is given out again): the same row twice, or in a later epoch, gets fresh noise."""
     progress_interval_s: float = Field(default=2.0, gt=0)
     """Seconds between progress lines."""
 

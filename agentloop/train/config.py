@@ -181,8 +181,9 @@ class LearnerConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the learner runs. auto: cuda if a GPU is visible, else cpu."""
     checkpoint_every: int | None = Field(default=None, ge=1)
-    """Save a resumable checkpoint (model, optimizer, step, data position, RNG) every N steps; None (null)
-    = never: the learner then writes no checkpoint at all and a killed run starts over."""
+    """Save a resumable checkpoint (model, optimizer, step, data position, RNG) every N steps. Left unset,
+    `agentloop train` picks max(1, min(10, train.steps // 4)); an explicit null means never: the learner
+    then writes no checkpoint at all and a killed run starts over."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """Complete checkpoints kept; older ones are deleted after a new one is complete."""
     keep_weights: int | None = Field(default=3, ge=1)
