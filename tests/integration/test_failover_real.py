@@ -51,3 +51,47 @@ def test_real_server_killed_mid_rollout(sglang_server, tiny_model_path, tmp_path
     assert result.stopped is None
     assert g["server/1/healthy"] == 0.0 and g["server/retries"] >= 1
     assert g["server/1/requests"] >= 6
+
+
+def test_real_server_that_missed_an_update_serves_only_after_resync(sglang_server):
+    """The real server is ejected during the update to version 1 (it missed it). It answers
+    /health_generate, but /model_info says version 0: it stays out and serves nothing until the resync
+    hook reloads the current weights into it; then it is re-admitted and serves version 1."""
+    from agentloop.config import ManagerConfig, SamplingParams
+    from agentloop.errors import AllServersDownError
+
+    url, model = sglang_server.url, str(sglang_server.model_path)
+    cfg = ManagerConfig(health_interval_s=3600, all_down_grace_s=0.5, retry_budget_s=5, health_timeout_s=20)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+    resyncs: list[str] = []
+
+    async def main():
+        async with ServerManager([url], cfg, initial_version=0) as sm:
+            orig = (await sm._get_ok(url, "/model_info", 20)).get("weight_version")
+            try:
+                await sm.update_weights_from_disk(model, weight_version=0)  # a known start: version 0
+                before = await sm.generate("a", prompt_ids=[5, 6, 7], sampling_params=sp)
+                sm.router.eject(0)  # its update to version 1 failed
+                sm.expect_version(1)
+                await sm.probe_all()  # scheduler probe passes, but it reports version 0
+                kept_out = (sm.router.servers[0].healthy, await sm.reported_version(0))
+                with pytest.raises(AllServersDownError):
+                    await sm.generate("b", prompt_ids=[5, 6, 7], sampling_params=sp)
+
+                async def resync(u: str) -> None:
+                    resyncs.append(u)
+                    await sm.update_weights_from_disk(model, weight_version=1, urls=[u])
+
+                sm.resync = resync
+                await sm.probe_all()
+                after = await sm.generate("c", prompt_ids=[5, 6, 7], sampling_params=sp)
+                return before, kept_out, after, sm.gauges(), sm.server_versions()
+            finally:  # the session's server goes back to its label for the tests after this one
+                await sm._admin_post(url, "/update_weights_from_disk",
+                                     {"model_path": model, "weight_version": str(orig or "default")})
+
+    before, kept_out, after, g, versions = asyncio.run(main())
+    assert before.weight_version == "0"
+    assert kept_out == (False, 0)
+    assert resyncs == [url] and g["server/resyncs"] == 1 and g["server/readmissions"] >= 1
+    assert versions == {url: 1} and after.weight_version == "1" and after.server == url
