@@ -641,7 +641,30 @@ class ServerManager:
         self._pauses += 1
         if mode == "abort":
             self._interrupts += 1
+            await self._abort_and_drain()
         await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def _abort_and_drain(self, rounds: int = 4, wait_s: float = 0.25) -> None:
+        """Abort what runs and wait for those calls to come back, before an abort-mode pause.
+
+        SGLang's abort-mode /pause_generation aborts everything, then polls for the requests' end in 1 s
+        sleeps: with anything in flight it costs >= 1 s (measured: 1.06 s per weight sync under async load
+        on an H100 vs 0.21 s with nothing in flight). Aborted calls answer within milliseconds, so we abort
+        first and let the pause find nothing running. A call that reached a server after an abort gets the
+        next round; whatever is left after the rounds, the pause itself aborts."""
+        for _ in range(rounds):
+            if not any(s.inflight for s in self.router.servers):
+                return
+            await self._broadcast("/abort_request", {"rid": "", "abort_all": True})
+            deadline = time.monotonic() + wait_s
+            while any(s.inflight for s in self.router.servers) and time.monotonic() < deadline:
+                self._changed.clear()
+                if not any(s.inflight for s in self.router.servers):
+                    break
+                try:  # set by every call's release; the short cap guards a wake-up taken by another waiter
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(0.02, max(0.001, deadline - time.monotonic())))
+                except asyncio.TimeoutError:
+                    pass
 
     async def resume(self) -> None:
         try:

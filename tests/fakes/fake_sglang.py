@@ -67,6 +67,10 @@ class FakeSGLang:
     peak_inflight: int = 0
     hold_after: int | None = None
     drop_next: int = 0
+    abort_epoch: int = 0
+    """Bumped by /abort_request with abort_all: requests making tokens then return what they made."""
+    running_at_pause: list[int] = field(default_factory=list)
+    """Requests making tokens when each /pause_generation arrived."""
     connections: int = 0
     """Connections accepted so far."""
     """The next N /generate requests find their connection closed as they arrive (unanswered), as when
@@ -214,13 +218,15 @@ class FakeSGLang:
             assert self.started is not None
             self._active += 1
             self._idle.clear()
+            epoch = self.abort_epoch
             try:
-                ids = await self._tokens(ids, made, spans)
+                ids = await self._tokens(ids, made, spans, epoch)
             finally:
                 self._active -= 1
                 if self._active == 0:
                     self._idle.set()
-            if len(ids) < int(sp.get("max_new_tokens", 16)) and self.paused and self.pause_mode == "abort":
+            cut = (self.paused and self.pause_mode == "abort") or self.abort_epoch != epoch
+            if len(ids) < int(sp.get("max_new_tokens", 16)) and cut:
                 finish = {"type": "abort", "message": "Aborted", "status_code": None}
         else:
             spans[-1][2] = len(ids)
@@ -241,10 +247,12 @@ class FakeSGLang:
             meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans if b > a]
         return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
-    async def _tokens(self, ids: list[int], made: list[int], spans: list[list[Any]]) -> list[int]:
-        """Make tokens one at a time; an abort-mode pause cuts here, other pauses hold here."""
+    async def _tokens(self, ids: list[int], made: list[int], spans: list[list[Any]], epoch: int) -> list[int]:
+        """Make tokens one at a time; an abort-mode pause or an abort_all cuts here, other pauses hold here."""
         assert self._unpause is not None and self.started is not None
         for t in ids:
+            if self.abort_epoch != epoch:
+                return made
             if self.paused:
                 if self.pause_mode == "abort":
                     return made
@@ -270,7 +278,10 @@ class FakeSGLang:
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
+        if path == "/abort_request" and body.get("abort_all"):
+            self.abort_epoch += 1
         if path == "/pause_generation":
+            self.running_at_pause.append(self._active)
             self.paused = True
             self.pause_mode = body.get("mode", "abort")
             self._unpause.clear()

@@ -240,3 +240,26 @@ def test_pushes_reach_servers_ejected_for_failures_that_answer_again():
 
     alive, gone, plain = run(main())
     assert len(alive) == 2 and len(gone) == 1 and len(plain) == 1
+
+
+def test_abort_mode_pause_finds_nothing_running():
+    """SGLang's abort-mode pause polls for running requests in 1 s sleeps (>= 1 s per weight sync under
+    load): the manager aborts them first and waits for their answers, so the pause finds none running;
+    every call still continues under the new weights, token-exact."""
+    async def main():
+        fake = await FakeSGLang(token_delay_s=0.01).start()
+        try:
+            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+                gens = [asyncio.create_task(sm.generate(f"e-{i}", prompt_ids=[5, 6, i], sampling_params=SP))
+                        for i in range(8)]
+                await fake.wait_until(lambda f: len(f.requests) == 8)
+                await _update_midway(sm, fake, "abort", 1)
+                outs = await asyncio.gather(*gens)
+                return outs, list(fake.events), list(fake.running_at_pause)
+        finally:
+            await fake.stop()
+
+    outs, events, running = run(main())
+    assert running == [0]
+    assert events.index("/abort_request") < events.index("/pause_generation")
+    assert all(len(o.token_ids) == 40 and o.interrupted == 1 and set(o.token_versions) == {0, 1} for o in outs)
