@@ -373,8 +373,8 @@ class ServerManager:
                 self._stats["cancelled_calls"] += 1
                 self._spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")
                 raise
-            except _Dropped as e:
-                if not dropped_once:
+            except RetryableError as e:
+                if isinstance(e, _Dropped) and not dropped_once:
                     # The server closed the connection without answering: on a pooled connection that is
                     # the keep-alive race (it closed the idle connection as we sent), not a failing
                     # server. Once per call it is retried at once, on the same server, uncounted; a dead
@@ -384,17 +384,6 @@ class ServerManager:
                     self._spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")  # in case it did arrive
                     attempt -= 1
                     continue
-                self._note_failure(idx)
-                last_err = e
-                avoid.add(idx)
-                if attempt >= self.cfg.max_attempts or time.monotonic() >= deadline:
-                    self._stats["errors"] += 1
-                    raise RetryBudgetExhausted(
-                        f"generate for episode {episode_id} failed after {attempt} attempt(s) in "
-                        f"{time.monotonic() - t0:.1f}s; last error: {e}") from e
-                self._stats["retries"] += 1
-                continue
-            except RetryableError as e:
                 self._note_failure(idx)
                 last_err = e
                 avoid.add(idx)
