@@ -98,12 +98,10 @@ class SearchR1AgentLoop(AgentLoopBase):
         finish = "max_turns"
         for turn in range(cfg.max_turns + 1):
             final = turn == cfg.max_turns  # Search-R1's last rollout: its action is not executed
-            left = cfg.max_response_tokens - len(traj.response_ids)
-            room = self.context_length - len(traj.all_ids)
-            if left < 1 or room < 1:
-                finish = "token_budget" if left < 1 else "context"
+            want, limit = traj.next_turn(per_turn, cfg.max_response_tokens, self.context_length)
+            if want == 0:
+                finish = limit
                 break
-            want = min(per_turn, left, room)
             params = self.turn_params(sampling_params, turn).model_copy(update={"max_new_tokens": want, "stop": stop})
             t0 = time.monotonic()
             out = await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids, sampling_params=params)

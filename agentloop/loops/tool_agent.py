@@ -137,13 +137,10 @@ class ToolAgentLoop(AgentLoopBase):
             for name, tool in tools.items():
                 instances[name] = await tool.create(sample, **create_kwargs[name])
             for turn in range(cfg.max_turns):
-                left = cfg.max_response_tokens - len(traj.response_ids)
-                room = self.context_length - len(traj.all_ids)
-                if left < 1 or room < 1:
-                    finish = "token_budget" if left < 1 else "context"
+                want, limiter = traj.next_turn(per_turn, cfg.max_response_tokens, self.context_length)
+                if want == 0:
+                    finish = limiter
                     break
-                want = min(per_turn, left, room)
-                limiter = "length" if want == per_turn else ("token_budget" if want == left else "context")
                 params = self.turn_params(sampling_params, turn).model_copy(update={"max_new_tokens": want})
                 t0 = time.monotonic()
                 out = await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids,

@@ -36,16 +36,21 @@ JIT_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is de
 """torch 2.11's inductor import (GPU machines) warns from torch's own code; nothing of ours."""
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
+def _save_tiny(tmp_path_factory, name: str, hidden: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    d = tmp_path_factory.mktemp("tiny-model")
+    d = tmp_path_factory.mktemp(name)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=True)
     Qwen2ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    d = _save_tiny(tmp_path_factory, "tiny-model", 32)
     (d / "tokenizer_config.json").write_text("{}")  # stands in for tokenizer files: must be copied
     return d
 
@@ -53,15 +58,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_model16(tmp_path_factory) -> Path:
     """The tiny model with a head dimension of 16, the least FlexAttention's kernels take (the other has 8)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-model16")
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
-    return d
+    return _save_tiny(tmp_path_factory, "tiny-model16", 64)
 
 
 def make_records(step: int, *, groups: int = 2, n: int = 4, seed: int = 0) -> list[EpisodeRecord]:
