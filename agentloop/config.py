@@ -125,8 +125,9 @@ class ManagerConfig(Section):
     health_timeout_s: float = Field(default=5.0, gt=0)
     """Timeout of one /health probe."""
     answered_grace_s: float = Field(default=30.0, ge=0)
-    """A failed health probe does not count against a server that answered a request this recently:
-    under heavy load SGLang's /health can miss its timeout while the server works fine."""
+    """A failed health probe does not count against a server that answered a request this recently (or,
+    before its first answer, within this long of the manager's start): under heavy load SGLang's /health
+    can miss its timeout while the server works fine."""
     keepalive_s: float = Field(default=3.0, gt=0)
     """How long an idle pooled connection is kept for reuse. Below the server's own keep-alive (SGLang's
     uvicorn closes idle connections after 5 s, SGLANG_TIMEOUT_KEEP_ALIVE): otherwise a request sent just as

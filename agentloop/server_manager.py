@@ -215,6 +215,10 @@ class ServerManager:
             connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=self.cfg.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps)
         if self._health_task is None:
+            # Every server starts inside the grace: the first wave of a run can keep a server from answering
+            # for a while (a cold 2-core CPU server took 15 s for its first 128 episodes, and its probes
+            # timed out meanwhile), so failed probes count only once it has had that long to answer.
+            self._answered_at = [time.monotonic()] * len(self.urls)
             self._health_task = asyncio.create_task(self._health_loop(), name="server-health")
 
     async def close(self) -> None:

@@ -263,3 +263,29 @@ def test_abort_mode_pause_finds_nothing_running():
     assert running == [0]
     assert events.index("/abort_request") < events.index("/pause_generation")
     assert all(len(o.token_ids) == 40 and o.interrupted == 1 and set(o.token_versions) == {0, 1} for o in outs)
+
+
+def test_a_server_gets_the_grace_before_its_first_answer():
+    """The first wave can keep a server from answering for a while (a cold CPU server: 15 s for its first
+    128 episodes) while its probes fail: it is not ejected within the grace; a server that still answers
+    nothing after it is."""
+    async def main():
+        fake = await FakeSGLang().start()
+        fake.healthy = False  # every probe fails
+        try:
+            cfg = ManagerConfig(health_interval_s=0.02, eject_after_failures=1, answered_grace_s=0.5)
+            async with ServerManager([fake.url], cfg) as sm:
+                q = events(sm)
+                fake.hold()
+                call = asyncio.create_task(sm.generate("e", prompt_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 4}))
+                await fake.wait_until(lambda f: len(f.requests) == 1 and len(f.probes) >= 3)
+                kept = sm.router.servers[0].healthy
+                fake.release()
+                out = await call
+                await wait_event(q, f"{fake.url} ejected")  # answered nothing since, past the grace
+                return kept, out
+        finally:
+            await fake.stop()
+
+    kept, out = run(main())
+    assert kept is True and len(out.token_ids) == 4
