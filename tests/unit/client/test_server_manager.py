@@ -304,7 +304,8 @@ def test_pause_blocks_new_requests_until_resume_and_weights_broadcast():
 def test_ejected_server_is_readmitted_when_healthy_again():
     async def main():
         a, b = await start_fakes(2)
-        async with ServerManager([a.url, b.url], ManagerConfig(**FAST)) as sm:
+        # no grace: probes alone decide here (a server starts inside answered_grace_s otherwise)
+        async with ServerManager([a.url, b.url], ManagerConfig(**{**FAST, "answered_grace_s": 0})) as sm:
             async def after_two_probes(status: int) -> float:
                 # probes are sequential: the 2nd answer with `status` was asked for after the manager
                 # had taken in the 1st (eject_after_failures=1), so its verdict is in the gauges now
