@@ -143,7 +143,7 @@ def test_server_back_with_old_weights_stays_out_until_resynced():
     async def main():
         a, b = await FakeSGLang().start(), await FakeSGLang().start()
         try:
-            cfg = ManagerConfig(health_interval_s=0.05, eject_after_failures=1)
+            cfg = ManagerConfig(health_interval_s=0.05, eject_after_failures=1, answered_grace_s=0)
             async with ServerManager([a.url, b.url], cfg, initial_version=0) as sm:
                 q = events(sm)
                 sm.expect_version(0)
