@@ -5,12 +5,12 @@
 #   ASYNC_PART=separate  bash benchmarks/gpu_async.sh   # server on GPU 0, learner on GPU 1 (nccl sync):
 #                                                       # the long-tail tool workload, then the 512-token single turn
 #   ASYNC_PART=colocated bash benchmarks/gpu_async.sh   # server and learner share GPU 0 (CUDA IPC sync)
-# Env: OUT (results, default ./bench_out), ASYNC_RUNS/ASYNC_RUNS2 (runs joined by +), ASYNC_STEPS (4), ASYNC_PROMPTS (32),
+# Env: OUT (results, default ./bench_out), ASYNC_RUNS/ASYNC_RUNS2 (runs joined by +), ASYNC_STEPS (8), ASYNC_PROMPTS (32),
 # ASYNC_SAMPLES (8), ASYNC_BUDGET_S (480: no run starts after it; each command must end inside 10 minutes).
 set -u
 PART=${ASYNC_PART:-separate}
 source benchmarks/gpu_env.sh "async_$PART.log"
-STEPS=${ASYNC_STEPS:-4}
+STEPS=${ASYNC_STEPS:-8}  # 8: with 4 (3 measured) η >= 2 mostly consumes the prefill of step 1 (RESULTS_async.md)
 PROMPTS=${ASYNC_PROMPTS:-32}
 SAMPLES=${ASYNC_SAMPLES:-8}
 BUDGET=${ASYNC_BUDGET_S:-480}
