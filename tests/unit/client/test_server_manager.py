@@ -385,10 +385,10 @@ def test_idle_pooled_connections_expire_before_the_servers_keepalive():
     new connection."""
     async def main():
         (f,) = await start_fakes(1)
-        async with ServerManager([f.url], ManagerConfig(**{**FAST, "keepalive_s": 0.05, "health_interval_s": 3600.0})) as sm:
+        async with ServerManager([f.url], ManagerConfig(**{**FAST, "keepalive_s": 0.25, "health_interval_s": 3600.0})) as sm:
             await sm.generate("a", prompt_ids=[1, 2, 3], sampling_params=sp())
             before = f.connections
-            await asyncio.sleep(0.3)  # the idle time itself is what is tested, not a synchronization
+            await asyncio.sleep(0.75)  # the idle time itself is what is tested, not a synchronization
             await sm.generate("b", prompt_ids=[1, 2, 3], sampling_params=sp())
             after_idle = f.connections
             await sm.generate("c", prompt_ids=[1, 2, 3], sampling_params=sp())
