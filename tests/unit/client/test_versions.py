@@ -273,7 +273,7 @@ def test_a_server_gets_the_grace_before_its_first_answer():
         fake = await FakeSGLang().start()
         fake.healthy = False  # every probe fails
         try:
-            cfg = ManagerConfig(health_interval_s=0.02, eject_after_failures=1, answered_grace_s=0.5)
+            cfg = ManagerConfig(health_interval_s=0.02, eject_after_failures=1, answered_grace_s=2.0)
             async with ServerManager([fake.url], cfg) as sm:
                 q = events(sm)
                 fake.hold()
