@@ -295,13 +295,12 @@ class ServerManager:
     async def reachable_targets(self) -> list[str]:
         """`push_targets` plus servers ejected for failures that answer now: a push that skipped them
         would leave them on old weights with nothing to bring them back (tensor/nccl keep no copy)."""
-        out = []
-        for i, s in enumerate(self.router.servers):
-            if s.healthy or s.stale:
-                out.append(s.url)
-            elif await self._get_ok(s.url, "/model_info", self.cfg.health_timeout_s) is not None:
-                out.append(s.url)
-        return out
+        push = set(self.push_targets())
+        ejected = [s.url for s in self.router.servers if s.url not in push]
+        # probed together: this runs while every server is paused for the push
+        answers = await asyncio.gather(*(self._get_ok(u, "/model_info", self.cfg.health_timeout_s) for u in ejected))
+        answering = {u for u, a in zip(ejected, answers) if a is not None}
+        return [s.url for s in self.router.servers if s.url in push or s.url in answering]
 
     # ------------------------------------------------------------------ generate
 
@@ -645,14 +644,17 @@ class ServerManager:
         on an H100 vs 0.21 s with nothing in flight). Aborted calls answer within milliseconds, so we abort
         first and let the pause find nothing running. A call that reached a server after an abort gets the
         next round; whatever is left after the rounds, the pause itself aborts."""
+        def busy() -> bool:
+            return any(s.inflight for s in self.router.servers)
+
         for _ in range(rounds):
-            if not any(s.inflight for s in self.router.servers):
+            if not busy():
                 return
             await self._broadcast("/abort_request", {"rid": "", "abort_all": True})
             deadline = time.monotonic() + wait_s
-            while any(s.inflight for s in self.router.servers) and time.monotonic() < deadline:
-                self._changed.clear()
-                if not any(s.inflight for s in self.router.servers):
+            while time.monotonic() < deadline:
+                self._changed.clear()  # cleared before the check, so a release after it wakes us
+                if not busy():
                     break
                 try:  # set by every call's release; the short cap guards a wake-up taken by another waiter
                     await asyncio.wait_for(self._changed.wait(), timeout=min(0.02, max(0.001, deadline - time.monotonic())))
