@@ -66,6 +66,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
@@ -485,6 +486,18 @@ class WeightSync:
             self._sessions[u] = ok
         return [u for u, ok in zip(ask, opened) if ok]
 
+    @contextmanager
+    def _session(self, pool: ThreadPoolExecutor, urls: Sequence[str], rank: int) -> Iterator[None]:
+        """Rank 0 holds an update session open on the servers that have them for the body of the `with`,
+        closed also when the push fails (then best effort: the push's error is the one raised)."""
+        sessions = self._begin(pool, urls) if rank == 0 else []
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._end(pool, sessions, failing=not ok)
+
     def _end(self, pool: ThreadPoolExecutor, urls: Sequence[str], *, failing: bool) -> None:
         """Close the sessions `_begin` opened. While a push is already failing, best effort (the first
         error is the one reported)."""
@@ -583,9 +596,7 @@ class TensorSync(WeightSync):
                     self._tp[u] = server_tp_size(u, self.timeout_s)
         gather_s, t_send = [0.0], 0.0
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            sessions = self._begin(pool, urls) if rank == 0 else []
-            ok = False
-            try:
+            with self._session(pool, urls, rank):
                 # The server reads the memory through the IPC handle with no ordering against our
                 # stream beyond torch's sharing event: the gather and the concatenation finish first.
                 for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s, sync_cuda=True):
@@ -601,9 +612,6 @@ class TensorSync(WeightSync):
                     # `flat` must outlive the calls: the servers copy out of it through the IPC handles.
                     del flat  # before the next bucket is gathered (the generator drops its own reference)
                     t_send += time.perf_counter() - t
-                ok = True
-            finally:
-                self._end(pool, sessions, failing=not ok)
         return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0], "sync/send_s": t_send,
                 "sync/buckets": float(len(buckets))}
 
@@ -657,9 +665,7 @@ class NcclSync(WeightSync):
             metrics["sync/init_group_s"] = self._init_group(urls)
         gather_s, t_send = [0.0], 0.0
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            sessions = self._begin(pool, urls) if rank == 0 else []
-            ok = False
-            try:
+            with self._session(pool, urls, rank):
                 for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s):
                     t = time.perf_counter()
                     assert self.group is not None
@@ -672,9 +678,6 @@ class NcclSync(WeightSync):
                     self._broadcast_while(flat, pool, futures)
                     del flat  # before the next bucket is gathered (the generator drops its own reference)
                     t_send += time.perf_counter() - t
-                ok = True
-            finally:
-                self._end(pool, sessions, failing=not ok)
         metrics.update({"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0],
                         "sync/send_s": t_send, "sync/buckets": float(len(buckets))})
         return metrics
