@@ -289,3 +289,23 @@ def test_a_server_gets_the_grace_before_its_first_answer():
 
     kept, out = run(main())
     assert kept is True and len(out.token_ids) == 4
+
+
+def test_abort_mode_pause_goes_on_when_a_server_refuses_the_early_abort():
+    """The early abort is a shortcut only: a server that refuses it still gets the pause, which aborts
+    what runs itself, and the calls still continue under the new weights."""
+    async def main():
+        fake = await FakeSGLang(token_delay_s=0.01, refuse={"/abort_request"}).start()
+        try:
+            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+                gens = [asyncio.create_task(sm.generate(f"e-{i}", prompt_ids=[5, 6, i], sampling_params=SP))
+                        for i in range(4)]
+                await fake.wait_until(lambda f: len(f.requests) == 4)
+                await _update_midway(sm, fake, "abort", 1)
+                return await asyncio.gather(*gens), list(fake.events)
+        finally:
+            await fake.stop()
+
+    outs, events = run(main())
+    assert events.index("/abort_request") < events.index("/pause_generation")
+    assert all(len(o.token_ids) == 40 and set(o.token_versions) == {0, 1} for o in outs)
