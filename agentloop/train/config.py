@@ -126,19 +126,22 @@ class LearnerConfig(_Section):
     micro_batch_tokens: int = Field(default=8192, ge=1)
     """Token budget of one forward/backward: sequences are packed greedily until their summed
     lengths would exceed it (a longer sequence gets a micro-batch of its own)."""
-    attention: Literal["auto", "flex", "packed_sdpa", "padded"] = "auto"
+    attention: Literal["auto", "varlen", "flex", "packed_sdpa", "padded"] = "auto"
     """How a micro-batch is laid out and how attention sees its sequence boundaries
-    (agentloop.train.batching, agentloop.train.attention). flex: one packed row without padding,
-    position ids per sequence, FlexAttention with a block mask (whole blocks of masked pairs are
-    skipped, so shared-prompt rows cost no masked-pair FLOPs); CUDA only (FlexAttention has no CPU
-    backward). packed_sdpa: the same packed row, SDPA with a dense boolean mask (any device; the mask is
-    micro_batch_tokens^2). padded: a row per episode (or per shared prompt), right-padded, SDPA with a
-    2-D or 4-D mask. auto: flex on CUDA, padded on CPU."""
+    (agentloop.train.batching, agentloop.train.attention). varlen: one packed row without padding,
+    position ids per sequence, FlashAttention-2's variable-length kernels (aten's) over one segment per
+    sequence, prompt or response (a response reads its shared prompt's keys: no masked pair is computed);
+    CUDA with bf16/fp16 compute (on CPU an exact per-segment reference, for tests: slow). flex: the same
+    packed row, FlexAttention with a block mask (whole blocks of masked pairs are skipped); CUDA only
+    (FlexAttention has no CPU backward). packed_sdpa: the same packed row, SDPA with a dense boolean mask
+    (any device; the mask is micro_batch_tokens^2). padded: a row per episode (or per shared prompt),
+    right-padded, SDPA with a 2-D or 4-D mask. auto: varlen on CUDA where its kernels exist for the
+    model's head dimension and dtype, else flex (else packed_sdpa); padded on CPU."""
     share_prompt: Literal["auto", "on", "off"] = "auto"
     """Episodes with identical prompt tokens (a GRPO group) share one row: the prompt runs through the
     model once, then each response attends to it and to itself only (agentloop.train.batching). Same
-    logprobs and gradients, fewer tokens computed. auto: with attention=flex always (the block mask
-    skips the masked pairs, so sharing is never more work); with padded/packed_sdpa where the FLOP
+    logprobs and gradients, fewer tokens computed. auto: with attention=varlen or flex always (neither
+    computes the masked pairs, so sharing is never more work); with padded/packed_sdpa where the FLOP
     model says the dense row is cheaper; on: always; off: never."""
     logprob_chunk_tokens: int = Field(default=2048, ge=1)
     """Log-probabilities (and entropy) are computed from the final hidden states this many tokens at a
@@ -150,13 +153,15 @@ class LearnerConfig(_Section):
     pad_packed_to_budget: bool = False
     """Packed layouts: pad every micro-batch to exactly micro_batch_tokens, so every forward has one shape
     (FlexAttention and compiled layers compile once, without dynamic shapes) at the cost of computing the
-    padding of the last micro-batches. False: pad each to a multiple of 128 only."""
+    padding of the last micro-batches. False: pad each to a multiple of 128 (flex) or not at all."""
     entropy_metric: bool = True
     """Compute the policy's entropy for the actor/entropy metric even when entropy_coef = 0 (one more
     pass over each chunk's logits in the loss pass, no gradient). False: only when entropy_coef > 0."""
     compile: bool = False
-    """torch.compile each decoder layer (dynamic shapes; the first steps pay the compile time). The flex
-    attention kernel is compiled either way."""
+    """torch.compile each decoder layer of the trained and the reference model (dynamic shapes; the first
+    steps pay the compile time): norms, rotary embedding, activation and residuals fuse into fewer
+    kernels. The flex attention kernel is compiled either way; the varlen kernels are custom ops inside
+    the compiled graph."""
     checkpoint_async: Literal["auto", "on", "off"] = "auto"
     """on: write resumable checkpoints in the background (torch.distributed.checkpoint.async_save): training
     waits only for the copy of the state to host memory, the files are written while the next steps run,

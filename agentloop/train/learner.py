@@ -176,7 +176,7 @@ class Learner:
         from transformers import AutoConfig
 
         from agentloop.train.advantages import get_estimator
-        from agentloop.train.attention import register_flex, resolve_attention
+        from agentloop.train.attention import register_flex, register_varlen, resolve_attention
 
         self.algo = algo or AlgoConfig()
         self.cfg = cfg or LearnerConfig()
@@ -186,9 +186,6 @@ class Learner:
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         hc = self.hf_config
         head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
-        self.attention = resolve_attention(self.cfg.attention, self.device_type, head_dim)
-        if self.attention == "flex":
-            register_flex()
         self._owns_group = init_distributed(self.cfg, self.device_type)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -198,6 +195,11 @@ class Learner:
             self.device = torch.device("cpu")
         dt = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if self.device_type == "cuda" else "float32")
         self.compute_dtype = getattr(torch, dt)
+        self.attention = resolve_attention(self.cfg.attention, self.device_type, head_dim, self.compute_dtype)
+        if self.attention == "flex":
+            register_flex()
+        elif self.attention == "varlen":
+            register_varlen()
         seed = self.cfg.seed + self.rank
         random.seed(seed)
         np.random.seed(seed)
@@ -280,7 +282,7 @@ class Learner:
                                                                     broadcast_from_rank0=self.world > 1))
         extras = _bcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
         self._fill_extras(model, extras)
-        if trainable and self.cfg.compile:
+        if self.cfg.compile:  # the reference model's no-grad forward gains from fused layers too
             for layer in layers:
                 layer.compile()
         model.train(trainable)
@@ -335,9 +337,9 @@ class Learner:
         from agentloop.train.batching import plan_micro_batches
 
         share = self.cfg.share_prompt
-        if share == "auto" and self.attention == "flex":
-            share = "on"  # block-sparse: a shared row computes no masked pairs, so it never costs more
-        packed = self.attention in ("flex", "packed_sdpa")
+        if share == "auto" and self.attention in ("flex", "varlen"):
+            share = "on"  # neither computes a shared row's masked pairs (block-sparse / per segment): never more work
+        packed = self.attention in ("flex", "varlen", "packed_sdpa")
         pad = 1
         if packed and self.cfg.pad_packed_to_budget:
             pad = self.cfg.micro_batch_tokens
@@ -356,14 +358,14 @@ class Learner:
 
     def _forward(self, model, mb, *, entropy: bool, entropy_grad: bool):
         """(logp, entropy or None) of mb's targets, Tensor[b, L] float32, without [L x vocab] tensors."""
-        from agentloop.train.attention import mask_for
+        from agentloop.train.attention import attention_inputs
 
         head = self._heads[id(model)]
-        mask = mask_for(mb, self.attention, self.device)
+        attn = attention_inputs(mb, self.attention, self.device)
         with head.use(mb.targets, entropy=entropy, entropy_grad=entropy_grad, temperature=self.algo.temperature,
                       chunk=self.cfg.logprob_chunk_tokens,
                       fused=self.cfg.fuse_logprob_head and self.device_type == "cuda"):
-            out = model(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, use_cache=False)
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **attn)
         res = out.logits
         return res[..., 0], (res[..., 1] if entropy else None)
 

@@ -1,7 +1,8 @@
 """Packed-row attention masks (agentloop.train.attention) and the chunked logprob head
 (agentloop.train.logprobs) on CPU: the block mask equals FlexAttention's own and gives SDPA's dense-mask
-output, the HF model runs our flex function, an eager model is refused, and chunked logprobs, entropy
-and their gradients equal the full [tokens x vocab] computation."""
+output, the varlen segments give SDPA's dense-mask output and gradients, the HF model runs our flex and
+varlen functions, an eager model is refused, and chunked logprobs, entropy and their gradients equal the
+full [tokens x vocab] computation."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import torch
 
 from agentloop.train.attention import (
     FLEX_IMPL,
+    VARLEN_IMPL,
     allowed,
     block_mask,
     check_attn_impl,
     dense_mask,
     register_flex,
+    register_varlen,
     resolve_attention,
+    varlen_attn,
+    varlen_layout,
 )
 from agentloop.train.batching import Episode, collate_packed
 from agentloop.train.logprobs import LogprobHead, chunked_logprobs
@@ -109,6 +114,66 @@ def test_hf_model_runs_our_flex_function_with_the_block_mask():
             flex(input_ids=mb.input_ids, position_ids=mb.position_ids)
 
 
+def test_varlen_layout_segments_and_key_ranges():
+    eps = _layout()
+    mb = collate_packed(eps, [[0], [1, 2]], "token-mean", num_tokens=8, num_seqs=3, pad_multiple=8)
+    lay = varlen_layout(mb.doc_ids, mb.seg_ids)
+    # query segments tile the row: item 0 [0, 5), prompt of item 1 [5, 6), segment 1 [6, 9), segment 2
+    # [9, 11), end padding [11, 16)
+    assert lay.cu_q.tolist() == [0, 5, 6, 9, 11, 16]
+    # keys: item 0 itself, the prompt itself, prompt + segment 1, prompt + segment 2, padding itself
+    assert lay.kv_index.tolist() == [0, 1, 2, 3, 4, 5, 5, 6, 7, 8, 5, 9, 10, 11, 12, 13, 14, 15]
+    assert lay.cu_k.tolist() == [0, 5, 6, 10, 13, 18] and (lay.max_q, lay.max_k) == (5, 5)
+    plain = varlen_layout(torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32), torch.zeros(5, dtype=torch.int32))
+    assert plain.kv_index is None and plain.cu_k.tolist() == plain.cu_q.tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match="no prompt part"):
+        varlen_layout(torch.tensor([0, 0], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("case", ["shared", "plain", "cut"])
+def test_varlen_attention_equals_dense_mask_sdpa_values_and_gradients(case):
+    """The varlen segments (responses reading their prompt's gathered keys, causal aligned to the end) compute
+    what SDPA computes with the dense mask of `allowed`, outputs and gradients of q, k and v (GQA 4:2)."""
+    import torch.nn.functional as F
+
+    doc, seg = {
+        "shared": ([0] * 100 + [1] * 120 + [2] * 80, [0] * 100 + [0] * 40 + [1] * 40 + [2] * 40 + [0] * 80),
+        "plain": ([0] * 129, [0] * 129),
+        "cut": ([0] * 500 + [1] * 150 + [-1] * 50, [0] * 200 + [1] * 150 + [2] * 150 + [0] * 200),
+    }[case]
+    doc, seg = torch.tensor(doc, dtype=torch.int32), torch.tensor(seg, dtype=torch.int32)
+    L = doc.numel()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(L, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = varlen_attn(q, k, v, varlen_layout(doc, seg), 0.25)
+    heads = lambda t: t.transpose(0, 1)[None].repeat_interleave(4 // t.shape[1], 1)  # noqa: E731
+    ref = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=dense_mask(doc, seg),
+                                         scale=0.25)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), w), torch.autograd.grad(ref, (q, k, v), w)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_hf_model_runs_our_varlen_function_with_the_layout_keyword():
+    register_varlen()
+    eps = _layout()
+    mb = collate_packed(eps, [[0], [1, 2]], "token-mean", num_tokens=8, num_seqs=3, pad_multiple=8)
+    model, sdpa = _tiny(VARLEN_IMPL), _tiny("sdpa")
+    sdpa.load_state_dict(model.state_dict())
+    check_attn_impl(model, "varlen")
+    with torch.no_grad():
+        a = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                  agentloop_varlen=varlen_layout(mb.doc_ids, mb.seg_ids)).logits
+        b = sdpa(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                 attention_mask=dense_mask(mb.doc_ids, mb.seg_ids)).logits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        alone = sdpa(input_ids=torch.tensor([[7, 8, 12]])).logits[0]
+        torch.testing.assert_close(a[0, [5, 9, 10]], alone, atol=1e-5, rtol=1e-5)
+        with pytest.raises(RuntimeError, match="agentloop_varlen"):
+            model(input_ids=mb.input_ids, position_ids=mb.position_ids)
+
+
 def test_a_model_that_ignores_the_mask_is_refused():
     with pytest.raises(RuntimeError, match="would not apply"):
         check_attn_impl(_tiny("eager"), "packed_sdpa")
@@ -117,11 +182,31 @@ def test_a_model_that_ignores_the_mask_is_refused():
     assert resolve_attention("auto", "cpu") == "padded"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_attention("flex", "cpu")
-    # FlexAttention's kernels need head dimensions >= 16 and powers of two: other CUDA models pack with SDPA
-    assert resolve_attention("auto", "cuda", 64) == "flex" and resolve_attention("auto", "cuda", 128) == "flex"
-    assert resolve_attention("auto", "cuda", 8) == "packed_sdpa" and resolve_attention("auto", "cuda", 80) == "packed_sdpa"
+    with pytest.raises(RuntimeError, match="would not apply"):
+        check_attn_impl(_tiny("sdpa"), "varlen")
     with pytest.raises(ValueError, match="head dimension 8"):
         resolve_attention("flex", "cuda", 8)
+    with pytest.raises(ValueError, match="head dimension 12"):
+        resolve_attention("varlen", "cpu", 12)
+    assert resolve_attention("varlen", "cpu", 64) == "varlen"  # the exact reference, for tests
+
+
+def test_auto_attention_on_cuda(monkeypatch):
+    """auto on CUDA: varlen where aten's FlashAttention runs and the head dimension and dtype suit it, flex
+    where FlexAttention does (head dimension >= 16, a power of two), packed SDPA otherwise."""
+    from agentloop.train import attention
+
+    monkeypatch.setattr(attention, "varlen_available", lambda: True)
+    assert resolve_attention("auto", "cuda", 64, torch.bfloat16) == "varlen"
+    assert resolve_attention("auto", "cuda", 80, torch.bfloat16) == "varlen"  # flex could not run 80
+    assert resolve_attention("auto", "cuda", 64, torch.float32) == "flex"  # FlashAttention is half precision only
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        resolve_attention("varlen", "cuda", 64, torch.float32)
+    monkeypatch.setattr(attention, "varlen_available", lambda: False)
+    assert resolve_attention("auto", "cuda", 64) == "flex" and resolve_attention("auto", "cuda", 128) == "flex"
+    assert resolve_attention("auto", "cuda", 8) == "packed_sdpa" and resolve_attention("auto", "cuda", 80) == "packed_sdpa"
+    with pytest.raises(ValueError, match="no FlashAttention"):
+        resolve_attention("varlen", "cuda", 64, torch.bfloat16)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])

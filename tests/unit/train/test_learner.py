@@ -611,21 +611,23 @@ def test_public_api_and_light_config_import():
 
 # ---- packed layout, meta init, chunked head ------------------------------------------------
 
+@pytest.mark.parametrize("packed", ["packed_sdpa", "varlen"])
 @pytest.mark.parametrize("share", ["off", "on"])
-def test_packed_rows_match_padded_rows(tiny_model, tmp_path, share):
-    """learner.attention=packed_sdpa (one packed row per micro-batch, position ids per sequence, the
-    document/shared-prompt mask) vs padded (today's rows): same logprobs, loss, KL, entropy, gradient norm and
-    weights after a step, with two mini-batches (old-logprob and reference passes on packed rows too) and a
-    logprob chunk smaller than a micro-batch."""
+def test_packed_rows_match_padded_rows(tiny_model, tmp_path, share, packed):
+    """learner.attention=packed_sdpa / varlen (one packed row per micro-batch, position ids per sequence, the
+    document/shared-prompt boundaries as a dense mask / as varlen segments whose responses gather their
+    prompt's keys; on CPU varlen runs its exact reference) vs padded (today's rows): same logprobs, loss, KL,
+    entropy, gradient norm and weights after a step, with two mini-batches (old-logprob and reference passes
+    on packed rows too) and a logprob chunk smaller than a micro-batch."""
     algo = AlgoConfig(kl_coef=0.05, entropy_coef=0.01)
     recs = make_records(1, seed=7, groups=3, n=4)
     res = {}
-    for attention in ("padded", "packed_sdpa"):
+    for attention in ("padded", packed):
         cfg = LearnerConfig(device="cpu", lr=1.0, adam_eps=1.0, grad_clip=None, micro_batch_tokens=40, mini_batches=2,
                             share_prompt=share, attention=attention,
-                            logprob_chunk_tokens=7 if attention == "packed_sdpa" else 2048)
+                            logprob_chunk_tokens=7 if attention == packed else 2048)
         res[attention] = one_step(tiny_model, algo, cfg, recs, tmp_path / f"w-{attention}", logprobs=True)
-    (lp_pad, pad, w_pad), (lp_pk, pk, w_pk) = res["padded"], res["packed_sdpa"]
+    (lp_pad, pad, w_pad), (lp_pk, pk, w_pk) = res["padded"], res[packed]
     for a, b in zip(lp_pad, lp_pk):
         assert b == pytest.approx(a, abs=1e-5)
     assert pk["batch/padded_tokens"] < pad["batch/padded_tokens"]  # no padding between sequences
@@ -856,20 +858,24 @@ def test_checkpoint_every_null_writes_no_checkpoint(tiny_model, tmp_path):
 
 @pytest.mark.gpu
 @JIT_WARNING
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_flex_matches_padded(tiny_model16, tmp_path, dtype):
-    """On CUDA: packed rows with the FlexAttention block mask (shared prompts on) vs padded rows: same
-    logprobs, loss, gradient norm and weights after a step (float32 tight, bfloat16 within its rounding)."""
+@pytest.mark.parametrize("packed,dtype,compiled", [("flex", "float32", False), ("flex", "bfloat16", False),
+                                                    ("varlen", "bfloat16", False), ("varlen", "bfloat16", True)],
+                         ids=["flex-fp32", "flex-bf16", "varlen-bf16", "varlen-bf16-compiled"])
+def test_gpu_packed_matches_padded(tiny_model16, tmp_path, packed, dtype, compiled):
+    """On CUDA: packed rows (shared prompts on) with the FlexAttention block mask or FlashAttention varlen
+    segments (eager and inside compiled decoder layers) vs padded rows: same logprobs, loss, gradient norm and
+    weights after a step (float32 tight, bfloat16 within its rounding)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     algo = AlgoConfig(kl_coef=0.05, entropy_coef=0.01)
     recs = make_records(1, seed=7, groups=3, n=4)
     res = {}
-    for attention in ("padded", "flex"):
+    for attention in ("padded", packed):
         cfg = LearnerConfig(lr=1.0 if dtype == "float32" else 1e-3, adam_eps=1.0, grad_clip=None,
-                            micro_batch_tokens=64, mini_batches=2, share_prompt="on", attention=attention, dtype=dtype)
+                            micro_batch_tokens=64, mini_batches=2, share_prompt="on", attention=attention, dtype=dtype,
+                            compile=compiled and attention == packed)
         res[attention] = one_step(tiny_model16, algo, cfg, recs, tmp_path / f"w-{attention}", logprobs=True)
-    (lp_a, a, w_a), (lp_b, b, w_b) = res["padded"], res["flex"]
+    (lp_a, a, w_a), (lp_b, b, w_b) = res["padded"], res[packed]
     tol = 1e-4 if dtype == "float32" else 5e-2
     for x, y in zip(lp_a, lp_b):
         assert y == pytest.approx(x, abs=tol)
