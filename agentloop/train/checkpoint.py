@@ -197,6 +197,8 @@ class _Pending:
     written: Any
     """Future: every rank's files and the metadata are written."""
     started: float
+    stager: Any = None
+    """This save's stager (CheckpointWriter._new_stager), closed once the files are written."""
 
 
 class CheckpointWriter:
@@ -211,21 +213,27 @@ class CheckpointWriter:
         self.last_written_s: float | None = None
         """Seconds from `save` to the files being complete, for the last finalized checkpoint."""
         self._group = None
-        self._stager = None
         if dist.is_available() and dist.is_initialized():
             # async_save's collectives run in its writer thread: they need a CPU backend and a group of their
             # own (never the one the training collectives use from the main thread at the same time).
             self._group = dist.new_group(backend="gloo")
+
+    def _new_stager(self) -> Any:
+        """A stager for one save (None on a torch without one: async_save's own synchronous staging).
+
+        One per save, closed when its files are written: torch 2.11's DefaultStager clears its copy
+        table when a staging ends, so a second save through the same stager failed (KeyError: <class
+        'type'>, on the GPU at the second checkpoint of a run)."""
         try:
             from torch.distributed.checkpoint.staging import (
                 DefaultStager,
                 StagingOptions,
             )
 
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
-                                                        use_async_staging=self.cuda, use_non_blocking_copy=self.cuda))
-        except (ImportError, TypeError):  # older torch: async_save's own (synchronous) staging
-            self._stager = None
+            return DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
+                                                use_async_staging=self.cuda, use_non_blocking_copy=self.cuda))
+        except (ImportError, TypeError):
+            return None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, data_position: Any = None,
              extra: dict[str, Any] | None = None) -> Path:
@@ -238,12 +246,19 @@ class CheckpointWriter:
         tmp, final = _prepare(self.root, step)
         msd, osd = get_state_dict(model, optimizer)
         kw: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._group}
-        if self._stager is not None:
-            kw["async_stager"] = self._stager
-        resp = dcp.async_save({"model": msd, "optim": osd}, **kw)
+        stager = self._new_stager()
+        if stager is not None:
+            kw["async_stager"] = stager
+        try:
+            resp = dcp.async_save({"model": msd, "optim": osd}, **kw)
+        except BaseException:
+            if stager is not None:
+                stager.close()
+            raise
         staged, written = (resp.staging_completion, resp.upload_completion) if hasattr(resp, "upload_completion") \
             else (None, resp)
-        self.pending = _Pending(step, tmp, final, _meta(step, data_position, extra), staged, written, time.perf_counter())
+        self.pending = _Pending(step, tmp, final, _meta(step, data_position, extra), staged, written, time.perf_counter(),
+                                stager)
         return final
 
     def wait_staged(self) -> None:
@@ -272,7 +287,11 @@ class CheckpointWriter:
         p = self.pending
         assert p is not None
         self.pending = None
-        p.written.result()  # raises the writer's exception, if any
+        try:
+            p.written.result()  # raises the writer's exception, if any
+        finally:
+            if p.stager is not None:
+                p.stager.close()  # its host buffers go with it
         if _rank() == 0:
             if _before_publish is not None:
                 _before_publish()
@@ -281,13 +300,8 @@ class CheckpointWriter:
         return p.final
 
     def close(self) -> None:
-        """Finish the pending save and release the stager's host buffers."""
-        try:
-            self.wait()
-        finally:
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+        """Finish the pending save (its stager's host buffers are released with it)."""
+        self.wait()
 
 
 _before_publish: Callable[[], None] | None = None

@@ -787,6 +787,35 @@ def test_a_checkpoint_killed_mid_save_leaves_the_previous_one_usable(tiny_model,
         learner.close()
 
 
+def test_every_background_checkpoint_of_a_run_is_written(tiny_model, tmp_path, monkeypatch):
+    """Three background checkpoints in a row all land. torch 2.11's DefaultStager clears its copy table when
+    a staging ends, so its second use failed (KeyError: <class 'type'>, the second checkpoint of a GPU run);
+    the stand-in below behaves that way, on any torch."""
+    from torch.distributed.checkpoint import staging
+
+    class OneShotStager(staging.DefaultStager):
+        used = 0
+
+        def stage(self, state_dict, **kw):
+            if getattr(self, "_spent", False):
+                raise KeyError(type)
+            self._spent = True
+            OneShotStager.used += 1
+            return super().stage(state_dict, **kw)
+
+    monkeypatch.setattr(staging, "DefaultStager", OneShotStager)
+    learner = Learner(tiny_model, AlgoConfig(), LearnerConfig(device="cpu", lr=1e-2))
+    try:
+        for step in (1, 2, 3):
+            learner.train_step(make_records(step), step)
+            learner.save_checkpoint(tmp_path / "ck", data_position=step, background=True)
+        assert learner.wait_checkpoint().name == "step-000003"
+        assert OneShotStager.used == 3
+        assert [p.name for p in list_checkpoints(tmp_path / "ck")][-2:] == ["step-000002", "step-000003"]
+    finally:
+        learner.close()
+
+
 def test_background_checkpoint_equals_a_synchronous_one(tiny_model, tmp_path):
     """learner.checkpoint_async: training goes on while the files are written; the checkpoint appears once
     complete and restores the state of its step exactly (the next step's update waited for the copy)."""
@@ -882,6 +911,30 @@ def test_gpu_packed_matches_padded(tiny_model16, tmp_path, packed, dtype, compil
     for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "actor/entropy"):
         assert b[k] == pytest.approx(a[k], rel=tol * 10, abs=tol), k
     assert_weights_close(w_a, w_b, atol=1e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.gpu
+@JIT_WARNING
+def test_gpu_compiled_learner_checkpoints_in_background(tiny_model16, tmp_path):
+    """learner.compile on CUDA (varlen attention): a background checkpoint is written while the next step runs
+    and restores the state of its step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cfg = LearnerConfig(lr=1e-3, compile=True, attention="varlen", dtype="bfloat16", micro_batch_tokens=64)
+    learner = Learner(tiny_model16, AlgoConfig(), cfg)
+    try:
+        learner.train_step(make_records(1, groups=3, n=4), 1)
+        learner.save_checkpoint(tmp_path / "ck", background=True)
+        learner.train_step(make_records(2, groups=3, n=4), 2)  # waits for the staging, then moves the weights
+        ck = learner.wait_checkpoint()
+        assert ck is not None and ck.name == "step-000001"
+        w2 = learner.save_hf(tmp_path / "w2a")
+        learner.load_checkpoint(ck)
+        learner.train_step(make_records(2, groups=3, n=4), 2)
+        # FlashAttention's backward accumulates with atomics: not bitwise repeatable; within 2 x lr
+        assert_weights_close(w2, learner.save_hf(tmp_path / "w2b"), atol=2e-3)
+    finally:
+        learner.close()
 
 
 @pytest.mark.gpu
