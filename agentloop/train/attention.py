@@ -167,21 +167,19 @@ def varlen_layout(doc: torch.Tensor, seg: torch.Tensor, device: torch.device | s
     """Segments of `allowed` on a packed row: a run of equal (doc, seg) is one query segment; a response
     (seg >= 1) attends to its doc's prompt run (seg 0) and to itself causally, anything else to itself.
     End padding (doc < 0) is one segment attending causally to itself, as in `dense_mask`."""
-    d, s = doc.tolist(), seg.tolist()
-    L = len(d)
-    runs: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, L + 1):
-        if i == L or d[i] != d[start] or s[i] != s[start]:
-            runs.append((start, i))
-            start = i
+    dc, sc = doc.cpu(), seg.cpu()
+    L = dc.numel()
+    # run starts: where (doc, seg) changes (vectorized: a packed row is ~30k positions, its runs a few dozen)
+    cut = ((dc[1:] != dc[:-1]) | (sc[1:] != sc[:-1])).nonzero().flatten().add(1).tolist()
+    bounds = [0] + cut + [L] if L else [0]
+    runs = list(zip(bounds[:-1], bounds[1:]))
+    d, s = dc[bounds[:-1]].tolist(), sc[bounds[:-1]].tolist()
     prompt: dict[int, tuple[int, int]] = {}
     cu_q, cu_k = [0], [0]
     pieces: list[tuple[int, int]] = []
     shared = False
     max_q = max_k = 0
-    for a, b in runs:
-        doc_id, seg_id = d[a], s[a]
+    for (a, b), doc_id, seg_id in zip(runs, d, s):
         keys = [(a, b)]
         if seg_id == 0:
             if doc_id >= 0:
