@@ -266,7 +266,7 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
                  "kl_coef": algo.kl_coef, "kl_type": algo.kl_type, "loss_agg_mode": algo.loss_agg_mode},
         "learner": {"micro_batch_tokens": cfg.micro_batch_tokens, "mini_batches": cfg.mini_batches,
                     "share_prompt": cfg.share_prompt, "attention": learner.attention,
-                    "logprob_chunk_tokens": cfg.logprob_chunk_tokens, "compile": cfg.compile,
+                    "logprob_chunk_tokens": cfg.logprob_chunk_tokens, "compile": learner.compiled,
                     "ppo_epochs": cfg.ppo_epochs, "gradient_checkpointing": cfg.gradient_checkpointing},
         "model_shape": {"matmul_params": n_params, "layers": hf.num_hidden_layers, "hidden": hf.hidden_size,
                         "vocab": hf.vocab_size},

@@ -196,6 +196,8 @@ class Learner:
         dt = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if self.device_type == "cuda" else "float32")
         self.compute_dtype = getattr(torch, dt)
         self.attention = resolve_attention(self.cfg.attention, self.device_type, head_dim, self.compute_dtype)
+        self.compiled = self.cfg.compile == "on" or (self.cfg.compile == "auto" and self.device_type == "cuda")
+        """learner.compile after auto: the decoder layers run through torch.compile."""
         if self.attention == "flex":
             register_flex()
         elif self.attention == "varlen":
@@ -282,7 +284,7 @@ class Learner:
                                                                     broadcast_from_rank0=self.world > 1))
         extras = _bcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
         self._fill_extras(model, extras)
-        if self.cfg.compile:  # the reference model's no-grad forward gains from fused layers too
+        if self.compiled:  # the reference model's no-grad forward gains from fused layers too
             for layer in layers:
                 layer.compile()
         model.train(trainable)
