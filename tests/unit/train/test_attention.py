@@ -93,25 +93,34 @@ def _tiny(attn: str):
     return Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn).eval()
 
 
-def test_hf_model_runs_our_flex_function_with_the_block_mask():
+@pytest.mark.parametrize("attention", ["flex", "varlen"])
+def test_hf_model_runs_our_attention_function_with_the_row_boundaries(attention):
+    """The HF model runs our flex (block mask as attention_mask) / varlen (layout as the agentloop_varlen
+    keyword) function: the packed row's logits equal SDPA's with the dense mask and each item's own forward,
+    and a call without the boundaries is refused."""
     register_flex()
+    register_varlen()
     eps = _layout()
     mb = collate_packed(eps, [[0], [1, 2]], "token-mean", num_tokens=8, num_seqs=3, pad_multiple=8)
-    flex, sdpa = _tiny(FLEX_IMPL), _tiny("sdpa")
-    check_attn_impl(flex, "flex")
+    impl, bounds, missing = {
+        "flex": (FLEX_IMPL, {"attention_mask": block_mask(mb.doc_ids, mb.seg_ids, block=8)}, "BlockMask"),
+        "varlen": (VARLEN_IMPL, {"agentloop_varlen": varlen_layout(mb.doc_ids, mb.seg_ids)}, "agentloop_varlen"),
+    }[attention]
+    model, sdpa = _tiny(impl), _tiny("sdpa")
+    sdpa.load_state_dict(model.state_dict())
+    check_attn_impl(model, attention)
     check_attn_impl(sdpa, "packed_sdpa")
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        a = flex(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                 attention_mask=block_mask(mb.doc_ids, mb.seg_ids, block=8)).logits
+        warnings.simplefilter("ignore")  # uncompiled flex on CPU warns that it is unfused
+        a = model(input_ids=mb.input_ids, position_ids=mb.position_ids, **bounds).logits
         b = sdpa(input_ids=mb.input_ids, position_ids=mb.position_ids,
                  attention_mask=dense_mask(mb.doc_ids, mb.seg_ids)).logits
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         # each item equals its own unpacked, unshared forward: segment 2 never saw segment 1
         alone = sdpa(input_ids=torch.tensor([[7, 8, 12]])).logits[0]
         torch.testing.assert_close(a[0, [5, 9, 10]], alone, atol=1e-5, rtol=1e-5)
-        with pytest.raises(RuntimeError, match="BlockMask"):
-            flex(input_ids=mb.input_ids, position_ids=mb.position_ids)
+        with pytest.raises(RuntimeError, match=missing):
+            model(input_ids=mb.input_ids, position_ids=mb.position_ids)
 
 
 def test_varlen_layout_segments_and_key_ranges():
@@ -153,25 +162,6 @@ def test_varlen_attention_equals_dense_mask_sdpa_values_and_gradients(case):
     w = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), w), torch.autograd.grad(ref, (q, k, v), w)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
-
-
-def test_hf_model_runs_our_varlen_function_with_the_layout_keyword():
-    register_varlen()
-    eps = _layout()
-    mb = collate_packed(eps, [[0], [1, 2]], "token-mean", num_tokens=8, num_seqs=3, pad_multiple=8)
-    model, sdpa = _tiny(VARLEN_IMPL), _tiny("sdpa")
-    sdpa.load_state_dict(model.state_dict())
-    check_attn_impl(model, "varlen")
-    with torch.no_grad():
-        a = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                  agentloop_varlen=varlen_layout(mb.doc_ids, mb.seg_ids)).logits
-        b = sdpa(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                 attention_mask=dense_mask(mb.doc_ids, mb.seg_ids)).logits
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        alone = sdpa(input_ids=torch.tensor([[7, 8, 12]])).logits[0]
-        torch.testing.assert_close(a[0, [5, 9, 10]], alone, atol=1e-5, rtol=1e-5)
-        with pytest.raises(RuntimeError, match="agentloop_varlen"):
-            model(input_ids=mb.input_ids, position_ids=mb.position_ids)
 
 
 def test_a_model_that_ignores_the_mask_is_refused():
