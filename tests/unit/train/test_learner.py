@@ -135,6 +135,9 @@ def test_load_sections(tmp_path):
     assert load_sections(None, ["learner.share_prompt=off"])[1].share_prompt == "off"
     assert load_sections(None, ["learner.share_prompt=on"])[1].share_prompt == "on"
     assert load_sections(None, ["learner.checkpoint_async=off"])[1].checkpoint_async == "off"
+    # learner.compile was a boolean before it had auto: true/false still mean on/off
+    assert [load_sections(None, [f"learner.compile={v}"])[1].compile for v in ("true", "false", "auto")] == \
+        ["on", "off", "auto"]
     with pytest.raises(ConfigError, match="share_prompt"):
         load_sections(None, ["learner.share_prompt=sometimes"])
     with pytest.raises(ConfigError, match="clip_ratio_lo"):
@@ -645,6 +648,7 @@ def test_meta_device_init_gives_the_loaded_weights(tiny_model):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     learner = Learner(tiny_model, AlgoConfig(kl_coef=0.1), LearnerConfig(device="cpu"))
     try:
+        assert not learner.compiled  # learner.compile auto: off on CPU
         for model in (learner.model, learner.ref_model):
             got = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
             want = dict(ref.named_parameters())
