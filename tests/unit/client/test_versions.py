@@ -242,24 +242,30 @@ def test_pushes_reach_servers_ejected_for_failures_that_answer_again():
     assert len(alive) == 2 and len(gone) == 1 and len(plain) == 1
 
 
-def test_abort_mode_pause_finds_nothing_running():
-    """SGLang's abort-mode pause polls for running requests in 1 s sleeps (>= 1 s per weight sync under
-    load): the manager aborts them first and waits for their answers, so the pause finds none running;
-    every call still continues under the new weights, token-exact."""
+def _abort_mode_update(n: int, **fake_kw):
+    """n calls in flight on a fake server, an abort-mode weight update midway; returns the calls' outputs, the
+    server's endpoint events and how many requests were running at each pause."""
     async def main():
-        fake = await FakeSGLang(token_delay_s=0.01).start()
+        fake = await FakeSGLang(token_delay_s=0.01, **fake_kw).start()
         try:
             async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
                 gens = [asyncio.create_task(sm.generate(f"e-{i}", prompt_ids=[5, 6, i], sampling_params=SP))
-                        for i in range(8)]
-                await fake.wait_until(lambda f: len(f.requests) == 8)
+                        for i in range(n)]
+                await fake.wait_until(lambda f: len(f.requests) == n)
                 await _update_midway(sm, fake, "abort", 1)
                 outs = await asyncio.gather(*gens)
                 return outs, list(fake.events), list(fake.running_at_pause)
         finally:
             await fake.stop()
 
-    outs, events, running = run(main())
+    return run(main())
+
+
+def test_abort_mode_pause_finds_nothing_running():
+    """SGLang's abort-mode pause polls for running requests in 1 s sleeps (>= 1 s per weight sync under
+    load): the manager aborts them first and waits for their answers, so the pause finds none running;
+    every call still continues under the new weights, token-exact."""
+    outs, events, running = _abort_mode_update(8)
     assert running == [0]
     assert events.index("/abort_request") < events.index("/pause_generation")
     assert all(len(o.token_ids) == 40 and o.interrupted == 1 and set(o.token_versions) == {0, 1} for o in outs)
@@ -294,18 +300,6 @@ def test_a_server_gets_the_grace_before_its_first_answer():
 def test_abort_mode_pause_goes_on_when_a_server_refuses_the_early_abort():
     """The early abort is a shortcut only: a server that refuses it still gets the pause, which aborts
     what runs itself, and the calls still continue under the new weights."""
-    async def main():
-        fake = await FakeSGLang(token_delay_s=0.01, refuse={"/abort_request"}).start()
-        try:
-            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-                gens = [asyncio.create_task(sm.generate(f"e-{i}", prompt_ids=[5, 6, i], sampling_params=SP))
-                        for i in range(4)]
-                await fake.wait_until(lambda f: len(f.requests) == 4)
-                await _update_midway(sm, fake, "abort", 1)
-                return await asyncio.gather(*gens), list(fake.events)
-        finally:
-            await fake.stop()
-
-    outs, events = run(main())
+    outs, events, _ = _abort_mode_update(4, refuse={"/abort_request"})
     assert events.index("/abort_request") < events.index("/pause_generation")
     assert all(len(o.token_ids) == 40 and set(o.token_versions) == {0, 1} for o in outs)
