@@ -352,6 +352,15 @@ class Learner:
                                   share=share, cost=self.row_cost, layout="packed" if packed else "padded",
                                   pad_multiple=pad)
 
+    def _to_device(self, mb) -> None:
+        """Move micro-batch `mb` to the learner's device, its attention inputs built first: the varlen
+        segments are read from the host's copy of the row's ids, so no forward waits on a device-to-host copy
+        (a sync per micro-batch would stall the queued kernels)."""
+        from agentloop.train.attention import attention_inputs
+
+        attention_inputs(mb, self.attention, self.device)
+        mb.to(self.device)
+
     def _reshard(self) -> None:
         """Free every FSDP2 unsharded parameter, so the next forward gathers them afresh."""
         for m in self.model.modules():
@@ -390,7 +399,7 @@ class Learner:
         with torch.no_grad():
             outs = []
             for mb in self._plan(eps, list(range(len(eps)))):
-                mb.to(self.device)
+                self._to_device(mb)
                 logp, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
                 outs.append((mb, logp * mb.loss_mask))
             for mb, logp in outs:  # one read-back per micro-batch, after every forward is queued
@@ -457,7 +466,7 @@ class Learner:
         plans = [self._plan(eps, idxs) for idxs in minis]
         for mbs in plans:
             for mb in mbs:
-                mb.to(self.device)
+                self._to_device(mb)
 
         t1 = time.perf_counter()
         recompute = algo.old_logprobs == "recompute"
