@@ -691,6 +691,26 @@ def test_token_versions_give_staleness_metrics_and_change_nothing_else(tiny_mode
     assert_weights_close(w_plain, w_ver, atol=0)
 
 
+def test_rollout_logprobs_reach_the_update_only_through_the_importance_weight(tiny_model, tmp_path):
+    """In recompute mode with tis_cap=None the behaviour logprobs are metrics only: noise on them (the real
+    server's logprobs of the same tokens vary by ~1e-4 run to run) leaves the weights bit-identical. With
+    the importance weight on, the same noise moves weights by O(lr) (Adam flips the sign of updates whose
+    gradient terms cancel), which is why test_async_real's η=0 equality turns it off."""
+    recs = make_records(1)
+    cfg = LearnerConfig(device="cpu", lr=1e-3)
+    lps, _, _ = one_step(tiny_model, AlgoConfig(), cfg, recs, tmp_path / "lp", logprobs=True)
+    g = torch.Generator().manual_seed(0)
+    noisy = [[lp + 5e-5 * float(torch.randn(1, generator=g)) for lp in row] for row in lps]
+    diffs = {}
+    for tis in (None, 2.0):
+        _, _, a = one_step(tiny_model, AlgoConfig(tis_cap=tis), cfg, with_logprobs(recs, lps), tmp_path / f"{tis}a")
+        _, _, b = one_step(tiny_model, AlgoConfig(tis_cap=tis), cfg, with_logprobs(recs, noisy), tmp_path / f"{tis}b")
+        wa, wb = load_weights(a), load_weights(b)
+        diffs[tis] = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert diffs[None] == 0.0
+    assert diffs[2.0] > 1e-5  # the noise does reach the update through the weight
+
+
 def test_interpolated_proximal_skips_the_old_logprob_pass(tiny_model, tmp_path, monkeypatch):
     """algo.proximal=interpolate: no no-grad forward of the policy; the first mini-batch still uses its exact
     logprobs (nothing has moved), later ones AReaL's interpolation. Records without versions are refused."""
