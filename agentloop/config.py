@@ -238,11 +238,15 @@ class TrainConfig(Section):
     starts from (version s-1). 0: synchronous, on-policy. Groups that grow too stale are cancelled early
     (counted) and their prompts given out again."""
     interrupt: Literal["abort", "retract", "in_place"] = "abort"
-    """How in-flight generation meets a weight update (SGLang's pause modes). abort: requests return their
-    partial tokens and are continued (prompt + partial, remaining budget) under the new weights, every
-    token's version exact; retract: the server requeues them and re-prefills under the new weights on
-    resume (per-token versions from the server's spans where it reports them); in_place: requests keep
-    their KV from the old weights (fastest, most stale; the prefix cache is then isolated per version)."""
+    """How in-flight generation meets a weight update (SGLang's pause modes), with every weight sync (disk,
+    tensor, nccl; agentloop/interrupt.py). abort: requests return their partial tokens and are continued
+    (prompt + partial, remaining budget) under the new weights, every token's version exact; the update
+    flushes the prefix cache. retract: the server requeues them and re-prefills under the new weights on
+    resume (per-token versions from the server's spans where it reports them); the cache is flushed right
+    after the update (where a server refuses that with requests waiting, SGLang 0.5.17, they are aborted and
+    continued as in abort). in_place: requests keep their KV from the old weights (fastest, most stale);
+    nothing is flushed, and each request's prefix-cache key carries its weight version, so no request of
+    version v+1 reuses a prefix cached under v."""
     max_version_violations: float = Field(default=0.0, ge=0, le=1)
     """Share of a step's trained records allowed to hold tokens of versions outside the schedule's
     window [s-1-η, s-1]; past it the step fails (a server serving the wrong weights)."""

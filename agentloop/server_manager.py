@@ -10,6 +10,8 @@ Map:
                                /model_info's weight_version; a resync hook can reload the weights)
     pause/resume/abort_all/flush_cache/update_weights_from_disk/mark_updated
                                admin calls broadcast to the servers (updates also reach stale ones)
+    finish_update              after an update, before resume: the flush the interrupt mode needs
+                               (agentloop.interrupt), with a fallback where a server refuses it
     gauges                     `server/...` numbers for progress lines and metrics
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
@@ -31,7 +33,10 @@ Interrupts. `pause("abort")` makes in-flight calls return their partial tokens (
 call interrupted that way waits for `resume` and continues itself: it re-submits prompt + partial
 with the remaining budget under the new weights, and the caller gets one TokenOutput whose tokens
 carry both versions. `retract` (the server re-prefills on resume) and `in_place` (old KV kept) need no
-client work. An abort not caused by an interrupt is returned as finish "abort".
+client work, except where a server cannot flush its cache with retracted requests waiting (SGLang
+0.5.17): `finish_update` aborts those, and their calls continue as abort-mode ones do. What each mode
+flushes, and why in_place salts the prefix cache per version instead: agentloop.interrupt. An abort not
+caused by an interrupt is returned as finish "abort".
 Simplification: a stop string that straddles the point of interruption is not detected.
 """
 
@@ -57,6 +62,7 @@ from agentloop.errors import (
     RetryBudgetExhausted,
     ServerError,
 )
+from agentloop.interrupt import InterruptPolicy
 from agentloop.records import TokenOutput
 from agentloop.routing import Availability, Router
 
@@ -196,7 +202,7 @@ class ServerManager:
         self._stats = {"requests": 0, "retries": 0, "errors": 0, "timeouts": 0, "ejections": 0,
                        "readmissions": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
                        "interrupted_calls": 0, "continued_calls": 0, "stale_servers": 0, "resyncs": 0,
-                       "cancelled_calls": 0, "dropped_connections": 0}
+                       "cancelled_calls": 0, "dropped_connections": 0, "flushes_refused": 0}
         self._down_since: float | None = None
         self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
@@ -670,6 +676,60 @@ class ServerManager:
         finally:
             self._unpaused.set()
             self._changed.set()
+
+    async def finish_update(self, policy: InterruptPolicy, urls: list[str] | None = None) -> None:
+        """After a weight update reached the servers (`urls`, default the push targets), before `resume`:
+        flush their prefix caches where `policy.flush_after` says so (retract).
+
+        A server that refuses the flush (SGLang 0.5.17 counts retracted requests waiting in its queue as
+        busy; 0.5.23 does not) gets those requests aborted: they answer with their partial tokens, and since
+        the abort counts as an interrupt their calls continue under the new weights once resumed, as in abort
+        mode. It is flushed again once they have answered; one that still refuses is ejected, so it never
+        serves KV of the old weights (it is resynced before it comes back)."""
+        if policy.flush_after:
+            await self.flush_prefix_cache(urls if urls is not None else self.push_targets())
+
+    async def flush_prefix_cache(self, urls: list[str]) -> None:
+        """Empty these servers' prefix caches (paused, or kept out of rotation), whatever waits in their queues (see
+        `finish_update`: refused flushes abort the waiting requests, then flush; a server that still
+        refuses is ejected)."""
+        await asyncio.gather(*(self._flush_paused(self.urls.index(u.rstrip("/"))) for u in urls))
+
+    async def _flush_paused(self, i: int) -> None:
+        url = self.urls[i]
+        try:
+            await self._admin_post(url, "/flush_cache", None)
+            return
+        except RequestError as e:
+            first = e
+        self._stats["flushes_refused"] += 1
+        self._interrupts += 1  # the calls aborted below continue themselves after resume
+        try:
+            await self._admin_post(url, "/abort_request", {"rid": "", "abort_all": True})
+            await self._drain(lambda: self.router.servers[i].inflight > 0, self.cfg.admin_timeout_s)
+            await self._admin_post(url, "/flush_cache", None)
+        except (RequestError, ServerError) as e:
+            self.router.eject(i)
+            self._stats["ejections"] += 1
+            self._say(f"server {url} kept its prefix cache after the weight update ({first}; then {e}); "
+                      "ejected until resynced")
+            self._changed.set()
+
+    async def _drain(self, busy: Callable[[], bool], timeout: float) -> None:
+        """Wait until `busy()` is false (re-checked whenever a call releases its server); ServerError after
+        `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._changed.clear()  # cleared before the check, so a release after it wakes us
+            if not busy():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerError(f"calls did not drain within {timeout}s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(0.05, left))
+            except asyncio.TimeoutError:
+                pass
 
     async def abort_all(self) -> None:
         await self._broadcast("/abort_request", {"rid": "", "abort_all": True})

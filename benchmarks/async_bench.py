@@ -46,12 +46,13 @@ def workload_overrides(workload: str, tokens: int) -> list[str]:
 
 
 def run_overrides(spec: str) -> list[str]:
+    """`sync`, `async:ETA` (interrupt abort) or `async:ETA:MODE` (abort | retract | in_place)."""
     if spec == "sync":
         return ["train.schedule=sync"]
-    kind, _, eta = spec.partition(":")
-    if kind != "async" or not eta.isdigit():
-        raise SystemExit(f"bad run spec {spec!r}: sync or async:ETA")
-    return ["train.schedule=async", f"train.max_staleness={eta}", "train.interrupt=abort"]
+    kind, eta, mode = (spec.split(":") + ["abort"])[:3]
+    if kind != "async" or not eta.isdigit() or mode not in ("abort", "retract", "in_place"):
+        raise SystemExit(f"bad run spec {spec!r}: sync, async:ETA or async:ETA:abort|retract|in_place")
+    return ["train.schedule=async", f"train.max_staleness={eta}", f"train.interrupt={mode}"]
 
 
 async def _post(url: str, path: str, body: dict) -> dict:
@@ -83,23 +84,28 @@ def summarise(run_dir: Path, skip: int) -> dict:
             "busy_frac": mean("async/busy_frac") if "async/busy_frac" in use[0] else None,
             "lag_mean": mean("staleness/lag_mean"), "lag_max": max(r.get("staleness/lag_max", 0) for r in use),
             "cancelled": sum(r.get("async/groups_cancelled", 0) for r in rows),
+            "continued": sum(r.get("async/episodes_continued", 0) for r in rows),
+            "cache_hit": mean("server/prefix_cache_hit_rate"),
+            "flushes_refused": max(r.get("server/flushes_refused", 0) for r in rows),
             "reward": [round(r.get("train/reward", 0.0), 3) for r in rows]}
 
 
 def table(name: str, res: dict, card: str) -> str:
     sync = res.get("sync")
     out = [f"## {name} ({card})", "",
-           "| run | steps/h | trained tok/s | vs sync | step s | rollout wait s | learner s | sync s | server busy | lag mean/max | cancelled |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| run | steps/h | trained tok/s | vs sync | step s | rollout wait s | learner s | sync s | server busy | "
+           "lag mean/max | cancelled | continued | prefix-cache hits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, r in res.items():
         if "error" in r:
-            out.append(f"| {k} | failed: {r['error'][:80]} |||||||||")
+            out.append(f"| {k} | failed: {r['error'][:80]} |||||||||||")
             continue
         ratio = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"] if sync and "error" not in sync else float("nan")
         busy = "" if r["busy_frac"] is None else f"{r['busy_frac']:.2f}"
         out.append(f"| {k} | {r['steps_per_hour']:.0f} | {r['trained_tokens_per_s']:,.0f} | {ratio:.2f}x | "
                    f"{r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['learner_s']:.1f} | {r['sync_s']:.2f} | {busy} | "
-                   f"{r['lag_mean']:.2f}/{r['lag_max']:.0f} | {r['cancelled']:.0f} |")
+                   f"{r['lag_mean']:.2f}/{r['lag_max']:.0f} | {r['cancelled']:.0f} | {r.get('continued', 0):.0f} | "
+                   f"{r.get('cache_hit', 0.0):.0%} |")
     if sync and "error" not in sync:
         R, L = sync["rollout_s"], sync["learner_s"] + sync["sync_s"]
         bound = (R + L) / max(R, L, 1e-9)
@@ -128,7 +134,7 @@ def run_part(a: argparse.Namespace, url: str, model: Path, name: str, workload: 
         if time.monotonic() - t_start > a.budget_s:
             results[spec] = {"error": "budget spent before this run"}
             continue
-        run_dir = out / "runs" / f"{name}_{spec.replace(':', '')}"
+        run_dir = out / "runs" / f"{name}_{spec.replace(':', '_')}"
         cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
                "--model", str(model), "--run-dir", str(run_dir), "train.resume=false", *base, *run_overrides(spec)]
         if a.device == "cuda":
@@ -137,7 +143,7 @@ def run_part(a: argparse.Namespace, url: str, model: Path, name: str, workload: 
         left = max(60.0, a.budget_s + 120 - (time.monotonic() - t_start))
         try:
             proc = subprocess.run(cmd, cwd=ROOT, timeout=left, capture_output=True, text=True)
-            (out / f"{name}_{spec.replace(':', '')}.log").write_text(proc.stdout + proc.stderr)
+            (out / f"{name}_{spec.replace(':', '_')}.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-600:]}")
             results[spec] = summarise(run_dir, skip=1)

@@ -267,7 +267,7 @@ try:
     try:
         run_path(f"tensor_{TENSOR_MB:g}MB", URL_T,
                  lambda tgt, ver: tensor.push(LEARNERS[tgt].model, dtype=torch.bfloat16, device=LA.device, rank=0,
-                                              urls=[URL_T], version=ver), N_UPD)
+                                              urls=[URL_T], version=ver, flush_cache=True), N_UPD)
     except Exception as e:
         rc = 1
         log("tensor path failed:", repr(e))
@@ -279,7 +279,7 @@ try:
         try:
             run_path(f"nccl_{mb:g}MB", URL_N,
                      lambda tgt, ver: nccl.push(LEARNERS[tgt].model, dtype=torch.bfloat16, device=LA.device, rank=0,
-                                                urls=[URL_N], version=ver), N_UPD)
+                                                urls=[URL_N], version=ver, flush_cache=True), N_UPD)
         except Exception as e:
             rc = 1
             log(f"nccl {mb} MB failed:", repr(e))

@@ -908,6 +908,17 @@ def _step_summary(metrics: dict[str, float], seconds: float, weights: str) -> st
     return ", ".join(parts + [f"{seconds:.1f}s", weights])
 
 
+def sync_go_flush(go: dict[str, Any]) -> bool:
+    """Whether the push the orchestrator allowed (its sync.go) may flush the servers' prefix caches: the
+    interrupt mode's `flush_in_update` (agentloop.interrupt). A sync.go without a mode (an older
+    orchestrator) gets none: a refused flush inside an update kills SGLang 0.5.17's scheduler, a missing one
+    only keeps stale KV. ValueError for an unknown mode."""
+    from agentloop.interrupt import interrupt_policy
+
+    mode = go.get("interrupt")
+    return interrupt_policy(mode).flush_in_update if mode else False
+
+
 def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, timeout_s: float) -> dict[str, float]:
     """weight_sync tensor|nccl, collective: rank 0 asks the orchestrator to pause the servers
     (sync.request) and waits for its sync.go; then every rank joins the push (the FSDP gathers) and
@@ -918,15 +929,16 @@ def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, 
     if box is not None:
         box.request_sync(step, syncer.name)
         try:
-            go = ("go", list(box.wait_sync_go(step, timeout_s).get("urls") or []))
-        except MailboxError as e:
+            answer = box.wait_sync_go(step, timeout_s)
+            go = ("go", list(answer.get("urls") or []), sync_go_flush(answer))
+        except (MailboxError, ValueError) as e:
             go = ("fail", str(e))
     go = _bcast(go, dev)  # the other ranks learn the outcome instead of waiting in a gather
     if go[0] != "go":
         raise MailboxError(go[1])
     t = time.perf_counter()
     metrics = syncer.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=learner.rank,
-                          urls=go[1], version=str(step))
+                          urls=go[1], version=str(step), flush_cache=go[2])
     metrics["time/sync_s"] = time.perf_counter() - t
     return metrics
 

@@ -262,9 +262,11 @@ class MailboxClient:
                 raise MailboxTimeout(f"no update for step {step} after {timeout_s}s")
             time.sleep(self.poll_s)
 
-    def allow_sync(self, step: int, urls: list[str]) -> None:
-        """The servers are paused: the learner may push step's weights to `urls`."""
-        atomic_write_json(self.paths.sync_go(step), {"step": step, "urls": list(urls), "time": time.time()})
+    def allow_sync(self, step: int, urls: list[str], *, interrupt: str = "abort") -> None:
+        """The servers are paused in `interrupt` mode: the learner may push step's weights to `urls` (its
+        payloads flush the prefix cache only where that mode allows it, agentloop.interrupt)."""
+        atomic_write_json(self.paths.sync_go(step), {"step": step, "urls": list(urls), "interrupt": interrupt,
+                                                     "time": time.time()})
 
 
 class LearnerMailbox:
@@ -339,7 +341,8 @@ class LearnerMailbox:
         atomic_write_json(self.paths.sync_request(step), {"step": step, "method": method, "time": time.time()})
 
     def wait_sync_go(self, step: int, timeout_s: float, poll_s: float = 0.05) -> dict[str, Any]:
-        """The orchestrator's sync.go for `step` ({"urls": [...]}); MailboxTimeout after timeout_s."""
+        """The orchestrator's sync.go for `step` ({"urls": [...], "interrupt": mode}); MailboxTimeout after
+        timeout_s."""
         deadline = time.monotonic() + timeout_s
         while True:
             go = _read_json(self.paths.sync_go(step))

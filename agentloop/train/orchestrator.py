@@ -50,6 +50,7 @@ from agentloop.config import Config, DataConfig, dump_config, validate_for_train
 from agentloop.data import load_samples
 from agentloop.errors import AgentLoopError
 from agentloop.inference.serving import serving
+from agentloop.interrupt import interrupt_policy
 from agentloop.loops import get_agent_loop
 from agentloop.models.loading import load_tokenizer_for
 from agentloop.records import EpisodeRecord, Sample, read_records
@@ -188,6 +189,8 @@ class Trainer:
         self.cursor = cursor
         self.val_samples = val_samples
         self.staleness = Staleness(cfg.train.max_staleness)
+        self.interrupt = interrupt_policy(cfg.train.interrupt)
+        self._cache_seen = (0.0, 0.0)  # the servers' cached and prompt tokens at the last step's row
         self.weights_dir: Path | None = None
         """The newest HF weights on disk (what a stale server is resynced to)."""
         self.final: dict[str, Any] = {}
@@ -198,13 +201,13 @@ class Trainer:
     async def push_disk(self, weights_dir: Path, version: int) -> float:
         """Load HF weights into the servers, interrupting in-flight generation per `train.interrupt`."""
         t0 = time.monotonic()
-        mode = self.cfg.train.interrupt
-        await self.sm.pause(mode=mode)
+        await self.sm.pause(mode=self.interrupt.pause_mode)
         try:
-            # The update flushes the prefix cache (KV of old weights is stale), except in_place, where
-            # SGLang cannot flush with requests kept running: there a per-version cache key isolates it.
+            # The prefix cache holds KV of the old weights: flushed in the update (abort) or right after it
+            # (retract), or isolated per version by a cache key (in_place), see agentloop.interrupt.
             await self.sm.update_weights_from_disk(str(weights_dir), weight_version=version,
-                                                   flush_cache=mode != "in_place")
+                                                   flush_cache=self.interrupt.flush_in_update)
+            await self.sm.finish_update(self.interrupt)
         finally:
             await self.sm.resume()
         self.weights_dir = weights_dir
@@ -217,7 +220,12 @@ class Trainer:
         if self.weights_dir is None or version is None:
             raise TrainingError("no weights on disk to resync a server with (weight_sync tensor|nccl: it "
                                 "stays out until the next push)")
-        await self.sm.update_weights_from_disk(str(self.weights_dir), weight_version=version, urls=[url])
+        # Never a flush inside the update: the server may still hold requests from before it was ejected,
+        # and a refused flush there kills SGLang 0.5.17's scheduler; the fallback flush handles them.
+        await self.sm.update_weights_from_disk(str(self.weights_dir), weight_version=version, urls=[url],
+                                               flush_cache=False)
+        if self.interrupt.flushes:
+            await self.sm.flush_prefix_cache([url])
 
     async def learner_update(self, step: int) -> tuple[UpdateResult, float, float]:
         """Wait for the learner's step and get its weights into the servers: (result, learner s, sync s).
@@ -234,11 +242,13 @@ class Trainer:
                 raise TrainingError(f"the learner reported step {step} without weights to load")
             return ev, t_learn, await self.push_disk(ev.weights_dir, step)
         t1 = time.monotonic()
-        await self.sm.pause(mode=self.cfg.train.interrupt)
+        await self.sm.pause(mode=self.interrupt.pause_mode)
         try:
             targets = await self.sm.reachable_targets()
-            self.client.allow_sync(step, targets)
+            # the mode travels with the push: the learner's payloads flush only where the mode allows it
+            self.client.allow_sync(step, targets, interrupt=self.interrupt.mode)
             upd = await asyncio.to_thread(self.client.wait_update, step, timeout)
+            await self.sm.finish_update(self.interrupt, targets)
         finally:
             await self.sm.resume()
         self.sm.mark_updated(step, targets)
@@ -292,13 +302,20 @@ class Trainer:
         row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
         row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
         g = self.sm.gauges()
+        cached, prompt = g["server/cached_tokens"], g["server/prompt_tokens"]
+        step_cached, step_prompt = cached - self._cache_seen[0], prompt - self._cache_seen[1]
+        self._cache_seen = (cached, prompt)
         # reward_s is summed over episodes and overlaps rollout_s (episodes are scored as they end)
         row.update({"time/rollout_s": t_roll, "time/learner_s": t_learn, "time/sync_s": t_sync,
                     "time/reward_s": sum(r.metrics.get("reward_time_s", 0.0) for r in records),
                     "time/step_s": time.monotonic() - t0,
                     "rollout/tokens_per_s": sum(r.num_model_tokens for r in records) / max(1e-9, t_roll),
                     "server/healthy": g["server/healthy"], "server/total": g["server/total"],
-                    "server/ejections": g["server/ejections"], "server/readmissions": g["server/readmissions"]})
+                    "server/ejections": g["server/ejections"], "server/readmissions": g["server/readmissions"],
+                    # prompt tokens the servers' prefix caches served since the last step (a flush per update
+                    # empties them; in_place keeps them, isolated per version)
+                    "server/prefix_cache_hit_rate": step_cached / step_prompt if step_prompt else 0.0,
+                    "server/flushes_refused": g["server/flushes_refused"]})
         if self.cfg.train.val_every and self.val_samples and (step % self.cfg.train.val_every == 0
                                                               or step == self.cfg.train.steps):
             row.update(await self.validate(step))
@@ -483,7 +500,7 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
     try:
         async with serving(cfg, model_path, run_dir, initial_version=0) as sm:
             sm.on_event = lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True)
-            sm.cache_salt = cfg.train.interrupt == "in_place"
+            sm.cache_salt = interrupt_policy(cfg.train.interrupt).cache_salt
             try:
                 info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
             except AgentLoopError as e:

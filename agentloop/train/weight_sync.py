@@ -141,26 +141,31 @@ def _dtype_name(dtype: Any) -> str:
 # ---------------------------------------------------------------------------- payloads (pure)
 
 
-def tensor_payload(serialized_per_rank: Sequence[str], *, last: bool, version: str | None) -> dict[str, Any]:
+def tensor_payload(serialized_per_rank: Sequence[str], *, last: bool, version: str | None,
+                   flush_cache: bool = False) -> dict[str, Any]:
     """Body of /update_weights_from_tensor for one flattened bucket (base64 pickles, one per TP rank).
 
-    The prefix cache is flushed and the version set only with the last bucket: the servers are
-    paused, so nothing samples from half-updated weights, and the version flips once.
+    The version is set, and the prefix cache flushed when `flush_cache` (the interrupt mode's
+    `flush_in_update`, agentloop.interrupt), only with the last bucket: the servers are paused, so nothing
+    samples from half-updated weights, and the version flips once. A flush the server cannot do (requests
+    kept in place or retracted into its queue) would fail the update, and kill SGLang 0.5.17's scheduler.
     """
     body: dict[str, Any] = {"serialized_named_tensors": list(serialized_per_rank), "load_format": "flattened_bucket",
-                            "flush_cache": last, "abort_all_requests": False}
+                            "flush_cache": last and flush_cache, "abort_all_requests": False}
     if last and version is not None:
         body["weight_version"] = version
     return body
 
 
 def distributed_payload(bucket: Sequence[ParamMeta], group_name: str, *, last: bool,
-                        version: str | None) -> dict[str, Any]:
+                        version: str | None, flush_cache: bool = False) -> dict[str, Any]:
     """Body of /update_weights_from_distributed: the server allocates the bucket from these
-    names/dtypes/shapes and receives it as one flattened uint8 broadcast from rank 0."""
+    names/dtypes/shapes and receives it as one flattened uint8 broadcast from rank 0. Version and
+    flush as in `tensor_payload`."""
     body: dict[str, Any] = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
                             "shapes": [list(m.shape) for m in bucket], "group_name": group_name,
-                            "load_format": "flattened_bucket", "flush_cache": last, "abort_all_requests": False}
+                            "load_format": "flattened_bucket", "flush_cache": last and flush_cache,
+                            "abort_all_requests": False}
     if last and version is not None:
         body["weight_version"] = version
     return body
@@ -471,7 +476,9 @@ class WeightSync:
                    master_addr=cfg.weight_sync_master_addr, master_port=cfg.weight_sync_master_port)
 
     def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
-             version: str | None) -> dict[str, float]:
+             version: str | None, flush_cache: bool = False) -> dict[str, float]:
+        """Send the model's weights to `urls` as weight version `version`; `flush_cache`: the last call also
+        flushes the servers' prefix caches (only where the interrupt mode allows it, agentloop.interrupt)."""
         raise NotImplementedError
 
     def close(self, urls: Sequence[str] = ()) -> None:
@@ -587,7 +594,7 @@ class TensorSync(WeightSync):
         self._tp: dict[str, int] = {}
 
     def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
-             version: str | None) -> dict[str, float]:
+             version: str | None, flush_cache: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         buckets = plan_buckets(param_metas(model, dtype), self.bucket_bytes)
         if rank == 0:
@@ -605,7 +612,8 @@ class TensorSync(WeightSync):
                     last = i == len(buckets) - 1
                     futures = [pool.submit(post_json, u, "/update_weights_from_tensor",
                                            tensor_payload([serialize_cuda_bucket(flat, meta)
-                                                           for _ in range(self._tp[u])], last=last, version=version),
+                                                           for _ in range(self._tp[u])], last=last, version=version,
+                                                          flush_cache=flush_cache),
                                            self.timeout_s)
                                for u in urls]
                     _gather_calls(pool, futures, self.timeout_s)
@@ -657,7 +665,7 @@ class NcclSync(WeightSync):
         return time.perf_counter() - t0
 
     def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
-             version: str | None) -> dict[str, float]:
+             version: str | None, flush_cache: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         buckets = plan_buckets(param_metas(model, dtype), self.bucket_bytes)
@@ -670,7 +678,7 @@ class NcclSync(WeightSync):
                     t = time.perf_counter()
                     assert self.group is not None
                     body = distributed_payload(buckets[i], self.group.name, last=i == len(buckets) - 1,
-                                               version=version)
+                                               version=version, flush_cache=flush_cache)
                     # The servers join the broadcast from inside the HTTP handler, so the calls go first
                     # and stay in flight while rank 0 sends.
                     futures = [pool.submit(post_json, u, "/update_weights_from_distributed", body, self.timeout_s)

@@ -14,6 +14,13 @@ hold the request and go on after /continue_generation; responses carry `weight_v
 `weight_sessions=True` behaves like SGLang 0.5.23: /begin_weight_update and /end_weight_update exist,
 and tensor/distributed updates outside a session answer 400; False (the default) like 0.5.17: those
 endpoints answer 404.
+`flush_model` says when a flush (POST /flush_cache, or `flush_cache` in an update call) is refused because
+requests are held by a retract or in_place pause: "ideal" (the default) never; "0.5.23" only while
+requests run in place (retracted ones wait in the queue, which a paused 0.5.23 ignores), the update then
+answering `success: false`; "0.5.17" while any request is held, an update asking for that flush killing
+the server as 0.5.17's scheduler assertion does (`crashed`, every later request answers 500). A refused
+/flush_cache answers 400, as SGLang's does. Held requests end on /abort_request with abort_all, paused
+or not, with the tokens they made (finish abort).
 
 Hooks for tests that must not synchronize by sleeping:
     events        every request's path in arrival order (/generate, /health, admin paths)
@@ -73,6 +80,10 @@ class FakeSGLang:
     """Requests making tokens when each /pause_generation arrived."""
     connections: int = 0
     """Connections accepted so far."""
+    flush_model: str = "ideal"
+    """When a flush with requests held is refused: ideal | 0.5.23 | 0.5.17 (see the module doc)."""
+    crashed: bool = False
+    """An update asked for a flush that 0.5.17's scheduler asserts on: the server is dead from then on."""
     """The next N /generate requests find their connection closed as they arrive (unanswered), as when
     uvicorn closes an idle keep-alive connection just as the client sends on it."""
     _gate: asyncio.Event | None = None
@@ -189,7 +200,7 @@ class FakeSGLang:
         self.events.append(request.path)
         await self._note()
         rid = body.get("rid", "")
-        if self.mode == "error500":
+        if self.mode == "error500" or self.crashed:
             return web.Response(status=500, text="internal error (injected)")
         if self.mode == "error400":
             return web.json_response({"error": {"message": "bad request (injected)"}}, status=400)
@@ -256,7 +267,12 @@ class FakeSGLang:
             if self.paused:
                 if self.pause_mode == "abort":
                     return made
-                await self._unpause.wait()  # retract / in_place: go on after continue
+                # retract / in_place: go on after continue, or end on an abort_all that comes meanwhile
+                assert self._changed is not None
+                async with self._changed:
+                    await self._changed.wait_for(lambda: not self.paused or self.abort_epoch != epoch)
+                if self.abort_epoch != epoch:
+                    return made
             if spans[-1][0] != self.weight_version:
                 spans.append([self.weight_version, len(made), len(made)])
             made.append(t)
@@ -269,17 +285,37 @@ class FakeSGLang:
         self.admin.append((request.path, None))
         return web.json_response({"tp_size": self.tp_size, "version": "fake"})
 
+    def _flush_refused(self) -> bool:
+        """Whether a flush now would be refused (requests held by a pause; see `flush_model`)."""
+        if self.flush_model == "0.5.17":
+            return self._active > 0
+        if self.flush_model == "0.5.23":
+            return self._active > 0 and self.paused and self.pause_mode == "in_place"
+        return False
+
     async def _admin(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
         path = request.path
         self.admin.append((path, body))
         self.events.append(path)
         await self._note()
+        if self.crashed:
+            return web.Response(status=500, text="scheduler died (injected 0.5.17 flush assertion)")
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
+        if path == "/flush_cache" and self._flush_refused():
+            return web.Response(status=400, text="Cache not flushed: requests are still running or queued")
+        if path.startswith("/update_weights_from_") and body.get("flush_cache") and self._flush_refused():
+            if self.flush_model == "0.5.17":
+                self.crashed = True
+                self.healthy = False
+                return web.Response(status=500, text="AssertionError: Cache flush failed after updating weights")
+            return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "
+                                      "flushed because requests are still running or queued."}, status=400)
         if path == "/abort_request" and body.get("abort_all"):
             self.abort_epoch += 1
+            await self._note()  # held requests end now, paused or not
         if path == "/pause_generation":
             self.running_at_pause.append(self._active)
             self.paused = True
@@ -291,6 +327,7 @@ class FakeSGLang:
             self.paused = False
             self.pause_mode = None
             self._unpause.set()
+            await self._note()  # requests held in place or retracted go on
         elif path == "/update_weights_from_disk":
             self.weight_version = str(body.get("weight_version") or "updated")
             return web.json_response({"success": True, "message": "ok"})

@@ -25,6 +25,8 @@ import pytest
 import torch
 
 from agentloop.config import ManagerConfig, load_config
+from agentloop.errors import RequestError
+from agentloop.interrupt import interrupt_policy
 from agentloop.loops.base import TrajectoryBuilder
 from agentloop.records import read_records
 from agentloop.server_manager import ServerManager
@@ -151,26 +153,52 @@ class TwoTurn:
         return traj
 
 
-@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
-def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, restore, mode):
+def _refuse_first_flush(post):
+    """Wrap ServerManager._admin_post so the first /flush_cache is refused as SGLang 0.5.17 refuses it."""
+    refused = []
+
+    async def wrapped(url, path, payload, timeout=None):
+        if path == "/flush_cache" and not refused:
+            refused.append(url)
+            raise RequestError(f"{url}/flush_cache answered HTTP 400: Cache not flushed (injected)", server=url,
+                               status=400)
+        return await post(url, path, payload, timeout)
+
+    return wrapped
+
+
+def _scaled_copy(tiny_model_path, out: Path, factor: float = 1.05) -> Path:
     from transformers import AutoModelForCausalLM
 
-    url = sglang_server.url
-    v1 = tmp_path / "v1"
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), torch_dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.05)
-    model.save_pretrained(str(v1))
+            p.mul_(factor)
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("mode,refused_flush", [("abort", False), ("retract", False), ("retract", True),
+                                                ("in_place", False)])
+def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, restore, mode, refused_flush):
+    """Each mode through the trainer's sequence (agentloop.interrupt): pause, update with the mode's flush,
+    finish_update, resume. retract with the flush refused (as on 0.5.17): the retracted call is aborted while
+    paused, answers with its partial tokens and continues under the new weights, still token-exact."""
+    url = sglang_server.url
+    v1 = _scaled_copy(tiny_model_path, tmp_path / "v1")
 
     async def main():
         async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-            sm.cache_salt = mode == "in_place"
+            policy = interrupt_policy(mode)
+            sm.cache_salt = policy.cache_salt
+            if refused_flush:  # play SGLang 0.5.17, which refuses to flush with retracted requests waiting
+                sm._admin_post = _refuse_first_flush(sm._admin_post)
             ep = TwoTurn(sm, FIXED)
             task = asyncio.create_task(ep.run())
             await ep.turn2_sent.wait()
-            await sm.pause(mode)
-            await sm.update_weights_from_disk(str(v1), weight_version=1, flush_cache=mode != "in_place")
+            await sm.pause(policy.pause_mode)
+            await sm.update_weights_from_disk(str(v1), weight_version=1, flush_cache=policy.flush_in_update)
+            await sm.finish_update(policy)
             await sm.resume()
             return (await task).build(), sm.gauges()
 
@@ -180,6 +208,9 @@ def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, res
     assert vs[:6] == [0] * 6 and vs == sorted(vs) and vs[-1] == 1, "tokens must carry both versions"
     if mode == "abort":
         assert g["server/interrupted_calls"] >= 0  # a call still queued at the pause is continued whole
+    assert g["server/flushes_refused"] == float(refused_flush)
+    if refused_flush:
+        assert g["server/interrupted_calls"] == 1 and g["server/continued_calls"] == 1
     if mode != "in_place":  # in_place keeps KV of the old weights: its new tokens are not re-scorable
         ids = out.prompt_ids + out.response_ids
         start = len(out.prompt_ids)
@@ -188,6 +219,42 @@ def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, res
             mine = [(a, b) for a, b, m, v in zip(lp, out.response_logprobs, out.response_mask, out.token_versions)
                     if m and v == version]
             assert mine and max(abs(a - b) for a, b in mine) < 2e-3, (mode, version)
+
+
+def test_in_place_never_reuses_a_prefix_cached_under_older_weights(sglang_server, tiny_model_path, tmp_path,
+                                                                      restore):
+    """in_place keeps the cache (no flush), so the per-version cache key is what keeps KV of version v out of
+    version v+1: the same prompt after the push has no cached tokens (and is cached again within v+1), and
+    its tokens carry v+1. Without the key (cache_salt off) the v+1 request reuses v's prefix."""
+    url = sglang_server.url
+    v1 = _scaled_copy(tiny_model_path, tmp_path / "v1")
+    prompt = [(7 * i + 3) % 500 + 10 for i in range(96)]  # long enough to span several cache pages
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 1}
+
+    async def main(salt: bool):
+        async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+            policy = interrupt_policy("in_place")
+            sm.cache_salt = salt and policy.cache_salt
+            await sm.flush_cache()
+            await sm.generate("a", prompt_ids=prompt, sampling_params=sp)
+            v0_again = await sm.generate("b", prompt_ids=prompt, sampling_params=sp)
+            await sm.pause(policy.pause_mode)
+            await sm.update_weights_from_disk(str(v1), weight_version=1, flush_cache=policy.flush_in_update)
+            await sm.finish_update(policy)
+            sm.expect_version(1)
+            await sm.resume()
+            first_v1 = await sm.generate("c", prompt_ids=prompt, sampling_params=sp)
+            v1_again = await sm.generate("d", prompt_ids=prompt, sampling_params=sp)
+            await _load(url, str(tiny_model_path))
+            return v0_again, first_v1, v1_again
+
+    v0_again, first_v1, v1_again = asyncio.run(asyncio.wait_for(main(salt=True), 300))
+    assert v0_again.cached_tokens >= 64, "the prefix cache must work within a version"
+    assert first_v1.cached_tokens == 0, "a version-1 request reused a prefix cached under version 0"
+    assert first_v1.token_versions == [1] * 4
+    assert v1_again.cached_tokens >= 64, "and it is reused again within version 1"
+    _, unsalted, _ = asyncio.run(asyncio.wait_for(main(salt=False), 300))
+    assert unsalted.cached_tokens >= 64, "without the key the stale prefix is reused (what the key prevents)"
 
 
 @pytest.mark.timeout(900)

@@ -57,16 +57,19 @@ def test_param_meta_bytes_and_offsets():
 
 def test_payloads():
     b = [ParamMeta("x.weight", (2, 3), "bfloat16"), ParamMeta("y.bias", (3,), "float32")]
-    mid = ws.distributed_payload(b, "g", last=False, version="7")
+    mid = ws.distributed_payload(b, "g", last=False, version="7", flush_cache=True)
     assert mid == {"names": ["x.weight", "y.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [3]],
                    "group_name": "g", "load_format": "flattened_bucket", "flush_cache": False,
                    "abort_all_requests": False}
-    last = ws.distributed_payload(b, "g", last=True, version="7")
+    last = ws.distributed_payload(b, "g", last=True, version="7", flush_cache=True)
     assert last["flush_cache"] is True and last["weight_version"] == "7"
-    t = ws.tensor_payload(["AAA", "BBB"], last=True, version="3")
+    t = ws.tensor_payload(["AAA", "BBB"], last=True, version="3", flush_cache=True)
     assert t["serialized_named_tensors"] == ["AAA", "BBB"] and t["load_format"] == "flattened_bucket"
     assert t["weight_version"] == "3" and t["flush_cache"] is True
     assert "weight_version" not in ws.tensor_payload(["A"], last=False, version="3")
+    # no flush unless the interrupt mode allows one (agentloop.interrupt): the default is the safe side
+    assert ws.tensor_payload(["A"], last=True, version="3")["flush_cache"] is False
+    assert ws.distributed_payload(b, "g", last=True, version="7")["flush_cache"] is False
     assert ws.init_group_payload("10.0.0.1", 29500, 3, 5, "g") == {
         "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5,
         "group_name": "g", "backend": "nccl"}
@@ -178,7 +181,7 @@ def test_tensor_sync_call_sequence(fakes, monkeypatch):
     budget = 50 * 8 * 2  # the embedding alone fills one bucket
     sync = ws.TensorSync(bucket_bytes=budget, timeout_s=10)
     out = sync.push(m, dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
-                    version="4")
+                    version="4", flush_cache=True)
     nb = len(plan_buckets(ws.param_metas(m, torch.bfloat16), budget))
     assert nb >= 2 and out["sync/buckets"] == nb
     for f in fakes:
