@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentloop.config import DataConfig, load_config
-from agentloop.data import load_samples
+from agentloop.config import load_config
+from agentloop.data import load_train_data
 from agentloop.records import EpisodeRecord, read_records
 from agentloop.report.steplog import StepLog
 from agentloop.train.checkpoint import list_checkpoints, read_meta
@@ -225,7 +225,7 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
 
     # rollouts: every step complete, once, with the prompts of an uninterrupted run
     cfg = load_config(None, [f"server.urls=[\"{url}\"]", *overrides])
-    cursor = DataCursor(load_samples(DataConfig(builtin=cfg.train.builtin)), cfg.rollout.seed)
+    cursor = DataCursor(load_train_data(cfg.data, validate=False).train, cfg.rollout.seed)
     for step in range(1, STEPS + 1):
         recs = list(read_records(rollouts / f"step-{step:06d}.jsonl"))
         want = sorted(s.index for s in cursor.take(PROMPTS) for _ in range(SAMPLES))
