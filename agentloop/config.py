@@ -185,7 +185,8 @@ class DataConfig(Section):
     """Training without `val_path` (and without `val_builtin` for a built-in training set): validate on this
     many rows held out of the training rows and never trained on, spread evenly over them (row
     floor(i * rows / N) for i < N: the same rows every run). None: min(32, rows // 10); the resolved
-    number is saved in the run's config.yaml. 0: no validation. With `train.val_every=0` nothing is held out."""
+    number is saved in the run's config.yaml. 0: no validation. With `train.val_every=0` nothing is held out
+    unless a number is set here (a resumed run keeps its training rows when validation is turned off)."""
 
 
 class RolloutConfig(Section):

@@ -300,13 +300,25 @@ def load_train_data(cfg: DataConfig, *, validate: bool = True) -> TrainData:
     Validation (when `validate`, i.e. train.val_every > 0): `val_path` (first `val_max_samples` rows); else,
     for a built-in training set only, the built-in set `val_builtin`; else `val_holdout` training rows held
     out (None: min(32, rows // 10)) and not trained on; 0 held out: no validation. A data file is never
-    validated on a built-in set."""
+    validated on a built-in set. Without validation nothing is held out unless `val_holdout` says a number
+    (a resumed run's resolved one: its training rows stay the same)."""
     rows = load_samples(cfg)
     train_source = cfg.path if cfg.path is not None else f"built-in set {cfg.builtin}"
     val_builtin = cfg.val_builtin if cfg.path is None and cfg.val_path is None else None
-    holdout, val = 0, []
+    holdout, val, held = 0, [], []
+    if cfg.val_path is None and val_builtin is None:
+        auto = min(AUTO_HOLDOUT_MAX, len(rows) // 10) if validate else 0
+        holdout = cfg.val_holdout if cfg.val_holdout is not None else auto
+        if holdout >= len(rows):
+            raise DataError(f"data.val_holdout={holdout} holds out every one of the {len(rows)} training rows of "
+                            f"{train_source}; hold out fewer, or give a validation file (--val-data)")
+        out = set(holdout_indices(len(rows), holdout)) if holdout else set()
+        held = [s for i, s in enumerate(rows) if i in out]
+        rows = [s for i, s in enumerate(rows) if i not in out]
     if not validate:
-        val_source = "none (train.val_every=0)"
+        val_source = "none (train.val_every=0)" + (
+            f"; {holdout} rows held out of {train_source} (data.val_holdout={holdout}) are not trained on"
+            if holdout else "")
     elif cfg.val_path is not None:
         val = load_file(cfg.val_path, prompt_key=cfg.prompt_key, max_samples=cfg.val_max_samples)
         val_source = f"{len(val)} rows of {cfg.val_path}"
@@ -316,21 +328,13 @@ def load_train_data(cfg: DataConfig, *, validate: bool = True) -> TrainData:
         val = rows_to_samples(builtin_rows(val_builtin), source=f"builtin:{val_builtin}",
                               max_samples=cfg.val_max_samples)
         val_source = f"{len(val)} rows of the built-in set {val_builtin}"
+    elif holdout:
+        val = held
+        val_source = f"{holdout} rows held out of {train_source} (data.val_holdout={holdout}), not trained on"
     else:
-        holdout = cfg.val_holdout if cfg.val_holdout is not None else min(AUTO_HOLDOUT_MAX, len(rows) // 10)
-        if holdout >= len(rows):
-            raise DataError(f"data.val_holdout={holdout} holds out every one of the {len(rows)} training rows of "
-                            f"{train_source}; hold out fewer, or give a validation file (--val-data)")
-        if holdout:
-            out = set(holdout_indices(len(rows), holdout))
-            val = [s for i, s in enumerate(rows) if i in out]
-            rows = [s for i, s in enumerate(rows) if i not in out]
-            val_source = (f"{holdout} rows held out of {train_source} (data.val_holdout={holdout}), "
-                          "not trained on")
-        else:
-            val_source = (f"none (data.val_holdout=0 and no validation file; {len(rows)} rows are too few for "
-                          "the automatic held-out slice)" if cfg.val_holdout is None
-                          else "none (data.val_holdout=0 and no validation file)")
+        val_source = ("none (data.val_holdout=0 and no validation file)" if cfg.val_holdout is not None else
+                      f"none (no validation file, and {len(rows)} rows are too few for the automatic held-out "
+                      "slice: data.val_holdout=0)")
     resolved = cfg.model_copy(update={"val_holdout": holdout, "val_builtin": val_builtin})
     return TrainData(train=rows, val=val, config=resolved, train_source=train_source, val_source=val_source)
 

@@ -15,6 +15,7 @@ from agentloop.cli import build_config, main, make_parser
 from agentloop.config import dump_config, validate_for_training
 from agentloop.data import write_jsonl
 from agentloop.errors import ConfigError
+from agentloop.train.cursor import DataCursor
 from agentloop.train.orchestrator import load_data, resolve_learner_defaults
 from agentloop.train.resume import config_changes, is_pinned
 from agentloop.util.rundir import make_run_dir
@@ -147,3 +148,11 @@ def test_pinned_keys():
                                       "learner.nproc", "rollout.seed", "data.val_holdout"))
     assert not any(is_pinned(k) for k in ("train.steps", "train.val_every", "data.val_max_samples",
                                           "rollout.n_samples", "server.urls", "data.apply_chat_template"))
+
+
+def test_turning_validation_off_on_resume_keeps_the_training_rows(run):
+    """train.val_every may change on resume; the held-out rows stay out, so the data fingerprint matches."""
+    run_dir, first = run
+    before = DataCursor(load_data(cli_cfg("--run-dir", str(run_dir))).train, 0)
+    off = load_data(cli_cfg("--run-dir", str(run_dir), "train.val_every=0"))
+    assert off.val == [] and DataCursor.from_state(off.train, 0, before.state()).matches(before.state())

@@ -82,9 +82,14 @@ def test_prompt_key_max_samples_and_holdout_size_apply_in_training(tmp_path):
     assert none.val == [] and len(none.train) == 40 and none.val_source.startswith("none")
     with pytest.raises(DataError, match=r"data.val_holdout=40 holds out every one of the 40 training rows"):
         load_data(train_cfg("--data", str(f), "data.prompt_key=messages", "data.val_holdout=40"))
-    # validation off: nothing held out
+    # validation off: nothing held out, unless a number says so (a resumed run's resolved slice: its training
+    # rows, and so its data fingerprint, stay the same)
     off = load_data(train_cfg("--data", str(f), "data.prompt_key=messages", "train.val_every=0"))
     assert off.val == [] and len(off.train) == 40 and off.config.val_holdout == 0
+    kept = load_data(train_cfg("--data", str(f), "data.prompt_key=messages", "train.val_every=0",
+                               "data.val_holdout=4"))
+    assert kept.val == [] and len(kept.train) == 36 and "own question 10" not in texts(kept.train)
+    assert kept.val_source == f"none (train.val_every=0); 4 rows held out of {f} (data.val_holdout=4) are not trained on"
 
 
 def test_a_built_in_training_set_without_a_validation_set_holds_out_its_own_rows():
