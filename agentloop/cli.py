@@ -4,7 +4,10 @@
                   no --config: the main job (agentloop/presets/rollout_main.yaml): the shipped warm-started
                   tiny model on the calculator set with the calculator tool; --random-model: the random
                   tiny model on the arithmetic set (the plumbing run, configs/rollout.yaml)
-    agentloop train [--config F] [same flags]   GRPO (embedded default: agentloop/presets/train_tiny.yaml)
+    agentloop train [--config F] [same flags] [--val-data FILE] [--force]
+                  GRPO (embedded default: agentloop/presets/train_tiny.yaml); --data trains on a file (validation:
+                  --val-data, else a slice held out of it); --run-dir of an existing run resumes it with its
+                  saved config.yaml plus the values given now (model, data, algo.*, learner.* changes need --force)
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
     agentloop bench train [--model PATH|tiny|qwen2.5-0.5b-shape] [--bench-sequences N] [--nproc N] ...
@@ -41,10 +44,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
     p.add_argument("--plugin", action="append", default=[], metavar="P",
                    help="python file or module to import first (registers loops/tools/rewards); repeatable")
-    p.add_argument("--data", metavar="FILE", help="JSONL or Parquet data file in verl row format")
+    p.add_argument("--data", metavar="FILE",
+                   help="JSONL or Parquet file in verl row format (data.path): the rows rolled out, or trained on")
     p.add_argument("-n", "--n-samples", type=int, metavar="N", help="episodes per prompt")
     p.add_argument("--seed", type=int, help="run seed")
-    p.add_argument("--run-dir", metavar="DIR", help="exact run directory")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="exact run directory (train: an existing run's is resumed, with its saved config)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
 
 
@@ -60,6 +65,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
         out.append("rollout.loop=" + json.dumps(args.loop))
     if args.data:
         out.append("data.path=" + json.dumps(args.data))
+    if getattr(args, "val_data", None):
+        out.append("data.val_path=" + json.dumps(args.val_data))
     if args.n_samples is not None:
         out.append(f"rollout.n_samples={args.n_samples}")
     if args.seed is not None:
@@ -78,11 +85,39 @@ def uses_main_preset(args: argparse.Namespace) -> bool:
     return args.command == "rollout" and args.config is None and not getattr(args, "random_model", False)
 
 
+def _existing_run_dir(args: argparse.Namespace) -> Any:
+    """The run dir `agentloop train` is given (--run-dir, else a run_dir= override, else the --config file's)
+    when it already holds a run (a config.yaml); else None."""
+    from pathlib import Path
+
+    from agentloop.config import parse_override, read_config_file
+
+    run_dir = args.run_dir
+    for arg in args.overrides if run_dir is None else []:
+        key, value = parse_override(arg)
+        run_dir = value if key == "run_dir" else run_dir
+    if run_dir is None and args.config is not None:
+        run_dir = read_config_file(args.config).get("run_dir")
+    return Path(run_dir) if run_dir and (Path(run_dir) / "config.yaml").is_file() else None
+
+
 def build_config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     from agentloop.config import load_config
 
+    resumed = _existing_run_dir(args) if args.command == "train" else None
+    if resumed is not None:
+        # an existing run goes on with its own config: the values given now are overrides of it (no preset)
+        from agentloop.train.resume import resume_config
+
+        cfg, changes = resume_config(resumed, args.config, list(args.overrides) + _flag_overrides(args),
+                                     force=args.force)
+        said = "; changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes) if changes else ""
+        print(f"agentloop train: {resumed} holds a run: resuming it with its config.yaml{said}",
+              file=sys.stderr, flush=True)
+        cfg.plugins = list(cfg.plugins) + [p for p in args.plugin if p not in cfg.plugins]
+        return cfg
     config = args.config
     if config is None and (args.command == "train" or getattr(args, "full", False)):
         config = Path(__file__).parent / TRAIN_PRESET  # the embedded default run
@@ -96,7 +131,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
         cfg.model.path = str(ensure_warm_model())
     if args.plugin:
-        cfg.plugins = list(cfg.plugins) + list(args.plugin)
+        cfg.plugins = list(cfg.plugins) + [p for p in args.plugin if p not in cfg.plugins]
     return cfg
 
 
@@ -109,9 +144,23 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-model", action="store_true",
                    help="without --config: the random tiny model on the arithmetic set, single turn (the plumbing "
                         "run) instead of the main job (warm-started model, calculator tool)")
-    t = sub.add_parser("train", help="GRPO training: rollouts -> FSDP learner -> weight push, step after step")
+    t = sub.add_parser("train", help="GRPO training: rollouts -> FSDP learner -> weight push, step after step",
+                       description="GRPO training. Without --config: the embedded default "
+                                   "(agentloop/presets/train_tiny.yaml: the built-in calculator_train set, validated "
+                                   "on the built-in calculator set). --data FILE trains on FILE (data.path); "
+                                   "validation runs on --val-data FILE (data.val_path), else on data.val_holdout rows "
+                                   "held out of the training rows and never trained on (default min(32, rows // 10); "
+                                   "0: none); a data file is never validated on a built-in set. "
+                                   "--run-dir of an existing run (one holding config.yaml) resumes it: its saved "
+                                   "config.yaml plus only the values given now (--config file, flags, key=value); "
+                                   "a changed model, data file or algo.*/learner.* field is refused unless --force.")
     _common(t)
+    _val_data(t)
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--force", action="store_true",
+                   help="resume an existing --run-dir although the model, the data or an algo.*/learner.* field "
+                        "changed (the old config is kept as config.prev.yaml), or although the training rows "
+                        "differ from those the checkpoint's data position was stored for")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     br = bsub.add_parser("rollout", help="engine vs bare aiohttp client, same requests, same server")
@@ -182,7 +231,15 @@ def make_parser() -> argparse.ArgumentParser:
     lp.add_argument("--plugin", action="append", default=[])
     cp = sub.add_parser("config", help="print the resolved config")
     _common(cp)
+    _val_data(cp)
+    cp.set_defaults(force=False)
     return parser
+
+
+def _val_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--val-data", metavar="FILE",
+                   help="training: validation rows, JSONL or Parquet in verl row format (data.val_path); default: "
+                        "data.val_holdout rows held out of the training rows")
 
 
 def _data_parsers(sub: Any) -> None:
@@ -335,7 +392,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from agentloop.train.orchestrator import run_train
 
-        run_dir, final = run_train(cfg)
+        run_dir, final = run_train(cfg, force=args.force)
         m = final.get("metrics", {})
         print(f"agentloop train: done, run dir {run_dir}")
         for k in ("train/reward", "train/accuracy", "train/tool_call_rate", "val/reward", "val/accuracy"):

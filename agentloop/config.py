@@ -159,17 +159,34 @@ class SamplingConfig(Section):
 
 
 class DataConfig(Section):
+    """The rows of a run, one section for `agentloop rollout` and `agentloop train` (training and validation)."""
+
     path: str | None = None
-    """JSONL or Parquet file of verl-format rows. None: the built-in set named by `builtin`."""
+    """JSONL or Parquet file of verl-format rows (`--data`): the rows rolled out, or trained on. None: the
+    built-in set named by `builtin`."""
     builtin: str = "arithmetic"
-    """Built-in eval set used when `path` is None."""
+    """Built-in set used when `path` is None."""
     max_samples: int | None = Field(default=None, ge=1)
-    """Use only the first N rows."""
+    """Use only the first N rows of `path` / `builtin` (in training: before the held-out slice is taken)."""
     prompt_key: str = "prompt"
-    """Column holding the chat messages."""
+    """Column holding the chat messages (data files, training and validation ones too; built-in sets use `prompt`)."""
     apply_chat_template: bool = True
     """False: the prompt is the row's single message's text, tokenized as is (no chat template), as
     TinyZero does: its countdown prompts carry their own `Assistant:` / `<|im_start|>` markup."""
+    val_path: str | None = None
+    """Training: JSONL or Parquet file of validation rows (`--val-data`)."""
+    val_builtin: str | None = None
+    """Training: built-in validation set, used when `val_path` is None and the training rows are a built-in
+    set too (`path` None): a run on a data file never validates on a built-in set (the resolved config
+    then holds None here)."""
+    val_max_samples: int | None = Field(default=32, ge=1)
+    """Training: validate on the first N rows of `val_path` / `val_builtin` (one episode each; None: all)."""
+    val_holdout: int | None = Field(default=None, ge=0)
+    """Training without `val_path` (and without `val_builtin` for a built-in training set): validate on this
+    many rows held out of the training rows and never trained on, spread evenly over them (row
+    floor(i * rows / N) for i < N: the same rows every run). None: min(32, rows // 10); the resolved
+    number is saved in the run's config.yaml. 0: no validation. With `train.val_every=0` nothing is held out
+    unless a number is set here (a resumed run keeps its training rows when validation is turned off)."""
 
 
 class RolloutConfig(Section):
@@ -208,18 +225,9 @@ class TrainConfig(Section):
     """RL steps (rollout -> learner update -> weight push) to run."""
     prompts_per_step: int = Field(default=16, ge=1)
     """Prompts per step; each is rolled out `rollout.n_samples` times (the GRPO group)."""
-    data_path: str | None = None
-    """Training rows (JSONL/Parquet, verl format). None: the built-in set `builtin`."""
-    builtin: str = "calculator_train"
-    """Built-in training set used when `data_path` is None."""
-    val_path: str | None = None
-    """Validation rows. None: the built-in set `val_builtin`."""
-    val_builtin: str = "calculator"
-    """Built-in validation set used when `val_path` is None."""
     val_every: int = Field(default=5, ge=0)
-    """Validate every N steps (and after the last step); 0 disables validation."""
-    val_max_samples: int | None = Field(default=32, ge=1)
-    """Validation prompts used (one episode each)."""
+    """Validate every N steps (and before the first and after the last step); 0 disables validation. The
+    rows (training and validation) come from the `data` section."""
     warm_start: bool = True
     """With the built-in tiny model (model.path null), start from its supervised warm start on
     synthetic calculator traces, so RL has something to improve: it calls the calculator on about
@@ -415,31 +423,58 @@ def _format_validation(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build the config from an optional YAML file plus `key.sub=value` overrides."""
-    tree: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        tree = loaded
-        source = str(p)
-    for arg in overrides or []:
+MOVED_KEYS: dict[str, str] = {
+    "train.data_path": "data.path (the --data flag)",
+    "train.builtin": "data.builtin",
+    "train.val_path": "data.val_path (the --val-data flag)",
+    "train.val_builtin": "data.val_builtin",
+    "train.val_max_samples": "data.val_max_samples",
+}
+"""Keys that moved (the training rows joined the one `data` section): naming one is an error naming its new key."""
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a tree (ConfigError if it is missing, not YAML or not a mapping)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return loaded
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`key.sub=value` overrides set in `tree` (in place; returned)."""
+    for arg in overrides:
         key, value = parse_override(arg)
         _set_path(tree, key, value)
-    if overrides:
-        source += " + overrides"
+    return tree
+
+
+def config_from_tree(tree: dict[str, Any], source: str) -> Config:
+    """Validate a config tree; ConfigError naming every bad or moved key, and `source`."""
+    moved = [f"{old} is now {new}" for old, new in MOVED_KEYS.items()
+             if isinstance(tree.get(old.split(".")[0]), dict) and old.split(".")[1] in tree[old.split(".")[0]]]
+    if moved:
+        raise ConfigError(f"invalid config ({source}): moved keys:\n  " + "\n  ".join(moved))
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the config from an optional YAML file plus `key.sub=value` overrides."""
+    tree: dict[str, Any] = read_config_file(path) if path is not None else {}
+    source = str(path) if path is not None else "defaults"
+    apply_overrides(tree, overrides or [])
+    if overrides:
+        source += " + overrides"
+    return config_from_tree(tree, source)
 
 
 def dump_config(cfg: Config) -> str:

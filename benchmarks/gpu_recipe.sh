@@ -75,7 +75,7 @@ if [ "$MODEL" = qwen2.5-0.5b-shape ] && [ "$DRY" != 1 ]; then
   MODEL=$(python3 -c "from agentloop.models.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))" | tail -1)
 fi
 ARGS=(--config "configs/recipe_$RECIPE.yaml" --model "$MODEL" --run-dir "$RUN"
-      "train.data_path=\"$TRAIN\"" "train.val_path=\"$TEST\"" "train.steps=${STEPS:-3}"
+      --data "$TRAIN" --val-data "$TEST" "train.steps=${STEPS:-3}"
       "train.prompts_per_step=${PROMPTS:-64}" "rollout.n_samples=${N:-5}" "train.val_every=0"
       "learner.warmup_steps=0" "learner.checkpoint_every=1000")
 RETRIEVER_PID=""
@@ -100,6 +100,7 @@ if [ "$RECIPE" = search_r1 ]; then
 fi
 if [ -n "${SERVER_URL:-}" ]; then ARGS+=(--server-url "$SERVER_URL"); fi
 log "model $MODEL; agentloop train ${ARGS[*]}"
+rm -rf "$RUN"  # a fresh run each time: an existing --run-dir would be resumed with its saved config
 timeout -k 10 "${TRAIN_TIMEOUT_S:-540}" $AL train "${ARGS[@]}" || log "train failed: exit $?"
 if [ -n "${SERVER_URL:-}" ]; then
   python3 -c "import json, sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1] + '/update_weights_from_disk', json.dumps({'model_path': sys.argv[2], 'weight_version': '0'}).encode(), {'Content-Type': 'application/json'}), timeout=300).read()" "$SERVER_URL" "$MODEL" || log "could not restore the server's weights"

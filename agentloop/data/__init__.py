@@ -1,7 +1,8 @@
 """Data: verl-format rows from JSONL/Parquet files or built-in sets, as `Sample`s.
 
-`load_samples(cfg.data)` is the entry point. To add a built-in set, write a function
-returning verl rows and call `register_dataset("name", fn)`; select it with
+`load_samples(cfg.data)` is the entry point (`load_train_data(cfg.data)` for training: training rows plus
+validation rows from a file, a built-in set or a slice held out of the training rows). To add a built-in
+set, write a function returning verl rows and call `register_dataset("name", fn)`; select it with
 `data.builtin=name`.
 
     loader.py      verl rows from JSONL/Parquet -> Samples (and back)
@@ -32,8 +33,10 @@ from agentloop.data.check import (
     format_report,
 )
 from agentloop.data.loader import (
+    TrainData,
     load_file,
     load_samples,
+    load_train_data,
     parse_row,
     rows_to_samples,
     sample_to_row,
@@ -52,6 +55,7 @@ __all__ = [
     "PREPARERS",
     "CheckReport",
     "Problem",
+    "TrainData",
     "builtin_rows",
     "check_file",
     "check_rows",
@@ -61,6 +65,7 @@ __all__ = [
     "list_datasets",
     "load_file",
     "load_samples",
+    "load_train_data",
     "parse_row",
     "prepare",
     "read_rows",

@@ -7,6 +7,8 @@ Map:
     read_jsonl_rows / read_parquet_rows   (location, row) pairs from a file, lazily
     load_file         a file -> list[Sample]
     load_samples      DataConfig -> list[Sample] (a file, or a built-in set from data.builtin)
+    load_train_data   DataConfig -> TrainData: training rows and validation rows (a file, a built-in set,
+                      or a slice held out of the training rows), the data section resolved
     sample_to_row / write_jsonl   the reverse: Samples or rows -> a verl JSONL file
 
 A verl row is
@@ -35,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +266,77 @@ def load_samples(cfg: DataConfig) -> list[Sample]:
     from agentloop.data.builtin import builtin_rows
 
     return rows_to_samples(builtin_rows(cfg.builtin), source=f"builtin:{cfg.builtin}", max_samples=cfg.max_samples)
+
+
+AUTO_HOLDOUT_MAX = 32
+"""`data.val_holdout` None holds out min(AUTO_HOLDOUT_MAX, rows // 10) training rows for validation."""
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """What `agentloop train` trains and validates on (`load_train_data`)."""
+
+    train: list[Sample]
+    """The training rows (held-out rows removed)."""
+    val: list[Sample]
+    """The validation rows (empty: no validation)."""
+    config: DataConfig
+    """The data section as resolved: `val_holdout` the number held out, `val_builtin` None unless used."""
+    train_source: str
+    """Where the training rows come from (a file, or `built-in set NAME`)."""
+    val_source: str
+    """What validation runs on, in words (for the progress output)."""
+
+
+def holdout_indices(n_rows: int, n_holdout: int) -> list[int]:
+    """The positions held out of `n_rows` rows: `n_holdout` of them spread evenly, floor(i * n_rows / n_holdout)."""
+    return [i * n_rows // n_holdout for i in range(n_holdout)]
+
+
+def load_train_data(cfg: DataConfig, *, validate: bool = True) -> TrainData:
+    """The training and validation rows of `agentloop train` from the data section.
+
+    Training: `path` (else the built-in set `builtin`), its first `max_samples` rows, read with `prompt_key`.
+    Validation (when `validate`, i.e. train.val_every > 0): `val_path` (first `val_max_samples` rows); else,
+    for a built-in training set only, the built-in set `val_builtin`; else `val_holdout` training rows held
+    out (None: min(32, rows // 10)) and not trained on; 0 held out: no validation. A data file is never
+    validated on a built-in set. Without validation nothing is held out unless `val_holdout` says a number
+    (a resumed run's resolved one: its training rows stay the same)."""
+    rows = load_samples(cfg)
+    train_source = cfg.path if cfg.path is not None else f"built-in set {cfg.builtin}"
+    val_builtin = cfg.val_builtin if cfg.path is None and cfg.val_path is None else None
+    holdout, val, held = 0, [], []
+    if cfg.val_path is None and val_builtin is None:
+        auto = min(AUTO_HOLDOUT_MAX, len(rows) // 10) if validate else 0
+        holdout = cfg.val_holdout if cfg.val_holdout is not None else auto
+        if holdout >= len(rows):
+            raise DataError(f"data.val_holdout={holdout} holds out every one of the {len(rows)} training rows of "
+                            f"{train_source}; hold out fewer, or give a validation file (--val-data)")
+        out = set(holdout_indices(len(rows), holdout)) if holdout else set()
+        held = [s for i, s in enumerate(rows) if i in out]
+        rows = [s for i, s in enumerate(rows) if i not in out]
+    if not validate:
+        val_source = "none (train.val_every=0)" + (
+            f"; {holdout} rows held out of {train_source} (data.val_holdout={holdout}) are not trained on"
+            if holdout else "")
+    elif cfg.val_path is not None:
+        val = load_file(cfg.val_path, prompt_key=cfg.prompt_key, max_samples=cfg.val_max_samples)
+        val_source = f"{len(val)} rows of {cfg.val_path}"
+    elif val_builtin is not None:
+        from agentloop.data.builtin import builtin_rows
+
+        val = rows_to_samples(builtin_rows(val_builtin), source=f"builtin:{val_builtin}",
+                              max_samples=cfg.val_max_samples)
+        val_source = f"{len(val)} rows of the built-in set {val_builtin}"
+    elif holdout:
+        val = held
+        val_source = f"{holdout} rows held out of {train_source} (data.val_holdout={holdout}), not trained on"
+    else:
+        val_source = ("none (data.val_holdout=0 and no validation file)" if cfg.val_holdout is not None else
+                      f"none (no validation file, and {len(rows)} rows are too few for the automatic held-out "
+                      "slice: data.val_holdout=0)")
+    resolved = cfg.model_copy(update={"val_holdout": holdout, "val_builtin": val_builtin})
+    return TrainData(train=rows, val=val, config=resolved, train_source=train_source, val_source=val_source)
 
 
 # ---------------------------------------------------------------- writing

@@ -4,7 +4,9 @@ policy-gradient training of the HF model with FSDP2), two processes joined by th
 Modules, one concept each. The orchestrator side never imports the learner side (torch, FSDP): it
 starts the learner by command line (learner_process) and talks to it through files (mailbox).
     orchestrator the step loop of `agentloop train` (orchestrator side)
-    cursor       DataCursor: resumable, epoch-shuffled prompt order (orchestrator side)
+    cursor       DataCursor: resumable, epoch-shuffled prompt order, the rows' fingerprint (orchestrator side)
+    resume       the resume rule: a run dir's saved config + the values given now, pinned keys refused
+                 (orchestrator side)
     learner_process  LearnerProcess + learner_command: the learner as a child process group
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
     flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput

@@ -27,7 +27,9 @@ record or an aborted record (both counted, neither trained).
 
 Resume: the learner resumes from its last checkpoint (step C) and reports `next_step` = C+1 and the
 data state stored with it: the next new position and the positions handed out but not trained,
-which are given out again first, so every position is trained exactly once. The servers load
+which are given out again first, so every position is trained exactly once, and the fingerprint of the
+rows they index (other rows are an error unless forced). The config of a resumed run is its saved
+config.yaml plus the values given now (agentloop.train.resume, applied by the CLI). The servers load
 weights/step-C before rolling out (missing weights are an error). After a kill of the synchronous
 schedule, a step whose batch was already submitted keeps its rollouts, the partial rollouts file of
 the step in flight is replaced, and metrics.jsonl keeps one line per step. The learner gets SIGTERM
@@ -46,8 +48,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agentloop.config import Config, DataConfig, dump_config, validate_for_training
-from agentloop.data import load_samples
+from agentloop.config import Config, validate_for_training
+from agentloop.data import TrainData, load_train_data
 from agentloop.errors import AgentLoopError
 from agentloop.inference.serving import serving
 from agentloop.interrupt import interrupt_policy
@@ -70,10 +72,6 @@ from agentloop.util.runtime import run_async
 
 class TrainingError(AgentLoopError):
     """The training run cannot go on (learner died, servers gone, ...)."""
-
-
-def _data(path: str | None, builtin: str, max_samples: int | None = None) -> list[Sample]:
-    return load_samples(DataConfig(path=path, builtin=builtin, max_samples=max_samples))
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -366,7 +364,8 @@ class Trainer:
             t0 = time.monotonic()
             records = list(read_records(self.client.paths.batch(step)))
             state = json.loads(self.client.paths.ready(step).read_text()).get("data_position")
-            self.cursor = DataCursor.from_state(self.cursor.samples, self.cursor.seed, state)
+            # force: the rows were checked against the checkpoint's state at start (--force may have let new ones in)
+            self.cursor = DataCursor.from_state(self.cursor.samples, self.cursor.seed, state, force=True)
             print(f"agentloop train: step {step} was submitted before the run stopped: training it as it is",
                   file=sys.stderr, flush=True)
             await self.train_step(step, records, t0, 0.0, {"_data_state": state})
@@ -478,11 +477,21 @@ class Trainer:
                                    "groups_left_complete": kept}
 
 
-async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def load_data(cfg: Config) -> TrainData:
+    """The run's training and validation rows (the `data` section; validation only with train.val_every > 0),
+    and `cfg.data` resolved to what they are (the held-out slice's size, no unused built-in set)."""
+    data = load_train_data(cfg.data, validate=bool(cfg.train.val_every))
+    cfg.data = data.config
+    return data
+
+
+async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None, *,
+                      force: bool = False) -> dict[str, Any]:
+    """The run; `data` as `load_data(cfg)` made it (loaded here when None). `force`: go on from a checkpoint
+    whose data position was stored for other training rows (`agentloop train --force`)."""
     loop_cls = get_agent_loop(cfg.rollout.loop)
-    train_samples = _data(cfg.train.data_path, cfg.train.builtin)
-    val_samples = _data(cfg.train.val_path, cfg.train.val_builtin, cfg.train.val_max_samples) \
-        if cfg.train.val_every else []
+    data = data if data is not None else load_data(cfg)
+    train_samples, val_samples = data.train, data.val
     scorer = Scorer(cfg)
     model_path = resolve_train_model(cfg)
     tokenizer = load_tokenizer_for(cfg, model_path)
@@ -496,7 +505,9 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
              if cfg.train.schedule == "async" else "sync")
     print(f"agentloop train: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x "
           f"{cfg.rollout.n_samples} samples, loop {cfg.rollout.loop}, schedule {sched}, model {model_path}\n"
-          f"  run dir {run_dir} (learner log: {learner.log_path})", file=sys.stderr, flush=True)
+          f"  run dir {run_dir} (learner log: {learner.log_path})\n"
+          f"  data: {len(train_samples)} training rows of {data.train_source}; validation: {data.val_source}",
+          file=sys.stderr, flush=True)
     try:
         async with serving(cfg, model_path, run_dir, initial_version=0) as sm:
             sm.on_event = lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True)
@@ -506,7 +517,13 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
             except AgentLoopError as e:
                 raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
             first = int(info.get("next_step") or 1)
-            cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, info.get("data_position"))
+            position = info.get("data_position")
+            cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
+                                           force=force)
+            if not cursor.matches(position):
+                print(f"agentloop train: --force: the training rows ({data.train_source}) differ from those the "
+                      "checkpoint's data position was stored for; going on from that position over the new rows",
+                      file=sys.stderr, flush=True)
             recover_step_rows(log, first, client.paths, run_dir)
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
             trainer = Trainer(cfg, run_dir, sm, engine, client, learner, log, cursor, val_samples)
@@ -550,7 +567,9 @@ def resolve_learner_defaults(cfg: Config) -> None:
         cfg.learner.total_steps = cfg.train.steps
 
 
-def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
+def run_train(cfg: Config, *, force: bool = False) -> tuple[Path, dict[str, Any]]:
+    """`agentloop train`: check the config, load the data, make the run dir (config.yaml: the config as
+    resolved, data included), run. `force`: see `train_async`."""
     from agentloop.rollout.run import load_plugins
 
     validate_for_training(cfg)
@@ -558,6 +577,6 @@ def run_train(cfg: Config) -> tuple[Path, dict[str, Any]]:
     require_isolation(cfg.tools.python, "agentloop train")
     load_plugins(cfg)
     resolve_learner_defaults(cfg)
+    data = load_data(cfg)  # bad rows fail before anything starts; the held-out slice is in config.yaml
     run_dir = make_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return run_dir, run_async(train_async(cfg, run_dir))
+    return run_dir, run_async(train_async(cfg, run_dir, data, force=force))

@@ -24,7 +24,9 @@ def package_versions() -> dict[str, str | None]:
 
 
 def make_run_dir(cfg: Config) -> Path:
-    """Create the run directory and save the resolved config and package versions in it."""
+    """Create the run directory and save the resolved config and package versions in it. In an existing
+    run dir whose config.yaml says something else (a resumed run given overrides), the old one is kept as
+    config.prev.yaml."""
     if cfg.run_dir:
         path = Path(cfg.run_dir)
     else:
@@ -35,7 +37,10 @@ def make_run_dir(cfg: Config) -> Path:
             k += 1
             path = Path(cfg.runs_dir) / f"{cfg.name}-{stamp}-{k}"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(dump_config(cfg))
+    text, saved = dump_config(cfg), path / "config.yaml"
+    if saved.is_file() and saved.read_text() != text:
+        saved.replace(path / "config.prev.yaml")
+    saved.write_text(text)
     (path / "versions.json").write_text(json.dumps(package_versions(), indent=2) + "\n")
     return path
 

@@ -58,7 +58,7 @@ def test_gsm8k_recipe(sglang_server, tiny_model_path, tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), src)
     data = tmp_path / "gsm8k.parquet"
     assert main(["data", "prepare", "gsm8k", "--input", str(src), "--output", str(data)]) == 0
-    recs = _one_step("gsm8k", sglang_server.url, tiny_model_path, tmp_path, f"train.data_path=\"{data}\"")
+    recs = _one_step("gsm8k", sglang_server.url, tiny_model_path, tmp_path, f"data.path=\"{data}\"")
     assert all(r.error is None and r.data_source == "openai/gsm8k" and r.reward == 0.0 for r in recs)
     assert {r.ground_truth for r in recs} == {"6", "10"}
 
@@ -66,7 +66,7 @@ def test_gsm8k_recipe(sglang_server, tiny_model_path, tmp_path):
 def test_countdown_recipe_raw_prompts(sglang_server, tiny_model_path, tmp_path):
     data = tmp_path / "countdown.parquet"
     assert main(["data", "prepare", "countdown", "--generate", "2", "--output", str(data)]) == 0
-    recs = _one_step("countdown", sglang_server.url, tiny_model_path, tmp_path, f"train.data_path=\"{data}\"")
+    recs = _one_step("countdown", sglang_server.url, tiny_model_path, tmp_path, f"data.path=\"{data}\"")
     from agentloop.models.loading import load_tokenizer_for
 
     tok = load_tokenizer_for(load_config(None), tiny_model_path)
@@ -90,7 +90,7 @@ def test_search_r1_recipe_with_the_retriever_service(sglang_server, tiny_model_p
         line = proc.stdout.readline()
         assert "serving http://" in line, line
         url = line.rsplit(" ", 1)[-1].strip()
-        recs = _one_step("search_r1", sglang_server.url, tiny_model_path, tmp_path, f"train.data_path=\"{data}\"",
+        recs = _one_step("search_r1", sglang_server.url, tiny_model_path, tmp_path, f"data.path=\"{data}\"",
                          f"tools.search.url=\"{url}\"", "tools.max_response_tokens=200", "learner.warmup_steps=0")
     finally:
         proc.terminate()
@@ -104,7 +104,7 @@ def test_search_r1_recipe_with_the_retriever_service(sglang_server, tiny_model_p
 def test_code_recipe(sglang_server, tiny_model_path, tmp_path):
     data = tmp_path / "code.jsonl"
     assert main(["data", "prepare", "code", "--builtin", "code", "--output", str(data)]) == 0
-    recs = _one_step("code", sglang_server.url, tiny_model_path, tmp_path, f"train.data_path=\"{data}\"",
+    recs = _one_step("code", sglang_server.url, tiny_model_path, tmp_path, f"data.path=\"{data}\"",
                      "tools.max_response_tokens=64", "tools.max_turns=2")
     assert all(r.error is None and r.data_source == "agentloop/code" for r in recs)
     assert all(r.reward is not None and r.reward_info for r in recs)  # the sandboxed grader ran and reported

@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentloop.config import DataConfig, load_config
-from agentloop.data import load_samples
+from agentloop.config import load_config
+from agentloop.data import load_train_data
 from agentloop.records import EpisodeRecord, read_records
 from agentloop.report.steplog import StepLog
 from agentloop.train.checkpoint import list_checkpoints, read_meta
@@ -215,7 +215,10 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
         assert f"resumed at step {resumed_step + 1}" in logs[2].read_text()
     assert [read_meta(p).step for p in list_checkpoints(ckpts)] == [STEPS - 1, STEPS]
     last = read_meta(list_checkpoints(ckpts)[-1])
-    assert last.data_position == {"next": STEPS * PROMPTS, "requeue": []}
+    cfg = load_config(run_dir / "config.yaml")  # the run's own config: the embedded preset's rows
+    cursor = DataCursor(load_train_data(cfg.data, validate=False).train, cfg.rollout.seed)
+    assert last.data_position == {"next": STEPS * PROMPTS, "requeue": [], "rows": len(cursor.samples),
+                                  "fingerprint": cursor.fingerprint}  # the rows the positions index
     assert _optimizer_steps(last.path, tmp_path) == {float(STEPS)}  # 4 AdamW steps: state continued
 
     # metrics: each step exactly once
@@ -224,8 +227,6 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
     assert all(r["learner/actor/optimizer_steps"] == 1.0 for r in rows)
 
     # rollouts: every step complete, once, with the prompts of an uninterrupted run
-    cfg = load_config(None, [f"server.urls=[\"{url}\"]", *overrides])
-    cursor = DataCursor(load_samples(DataConfig(builtin=cfg.train.builtin)), cfg.rollout.seed)
     for step in range(1, STEPS + 1):
         recs = list(read_records(rollouts / f"step-{step:06d}.jsonl"))
         want = sorted(s.index for s in cursor.take(PROMPTS) for _ in range(SAMPLES))

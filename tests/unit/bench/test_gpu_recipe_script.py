@@ -28,7 +28,8 @@ def test_dry_run_prepares_data_and_resolves_the_config(recipe, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "0 errors in 0 rows" in proc.stdout and f"agentloop.cli train --config configs/recipe_{recipe}.yaml" in proc.stdout
     cfg = yaml.safe_load((tmp_path / f"config_{recipe}.yaml").read_text())
-    assert cfg["train"]["data_path"] == str(tmp_path / f"data_{recipe}" / "train.parquet")
+    assert cfg["data"]["path"] == str(tmp_path / f"data_{recipe}" / "train.parquet")
+    assert cfg["data"]["val_path"] == str(tmp_path / f"data_{recipe}" / "test.parquet")
     assert cfg["model"]["path"] == "/models/some-0.5b" and cfg["train"]["steps"] == 3
     if recipe == "search_r1":
         assert cfg["rollout"]["loop"] == "search_r1_agent_loop"

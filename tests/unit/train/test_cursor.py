@@ -9,7 +9,7 @@ from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.records import Sample
 from agentloop.rollout.engine import RolloutEngine
-from agentloop.train.cursor import DataCursor
+from agentloop.train.cursor import DataCursor, DataMismatchError, fingerprint
 
 
 def rows(n: int) -> list[Sample]:
@@ -65,9 +65,28 @@ def test_state_round_trip_gives_untrained_positions_out_again():
     cur = DataCursor(rows(6), seed=0)
     cur.take(5)
     state = cur.state(untrained=[1, 3])
-    assert state == {"next": 5, "requeue": [1, 3]}
+    assert state == {"next": 5, "requeue": [1, 3], "rows": 6, "fingerprint": fingerprint(rows(6))}
     back = DataCursor.from_state(rows(6), 0, state)
     assert [s.uid for s in back.take(3)] == [1, 3, 5]
     assert DataCursor.from_state(rows(6), 0, 4).position == 4  # older runs stored an int
     with pytest.raises(ConfigError, match="unreadable data position"):
         DataCursor.from_state(rows(6), 0, {"nope": 1})
+
+
+def test_a_state_stored_for_other_rows_is_refused_naming_the_file_unless_forced():
+    """The data position indexes the rows it was handed out from: other rows (another file, order, limit or
+    held-out slice) under the same position would train other prompts and skip or repeat some."""
+    state = DataCursor(rows(6), seed=0).state()
+    assert DataCursor.from_state(rows(6), 0, state).position == 0  # the same rows: fine
+    other = rows(6)
+    other[2] = other[2].model_copy(update={"ground_truth": "7"})
+    for changed in (rows(5), rows(6)[::-1], other):
+        assert fingerprint(changed) != state["fingerprint"]
+        with pytest.raises(DataMismatchError, match=r"the training data changed since this run's checkpoint: "
+                                                     r"/data/own\.jsonl gives \d rows .*stored for 6 rows.*--force"):
+            DataCursor.from_state(changed, 0, state, source="/data/own.jsonl")
+    forced = DataCursor.from_state(rows(5), 0, {**state, "next": 7}, force=True)
+    assert forced.position == 7 and not forced.matches(state) and forced.take(1)[0].uid == 7
+    # states of older runs hold no fingerprint: they resume as before
+    old = {"next": 3, "requeue": [1]}
+    assert DataCursor.from_state(rows(5), 0, old).matches(old) and DataCursor.from_state(rows(5), 0, 3).position == 3
