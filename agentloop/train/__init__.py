@@ -5,6 +5,9 @@ Modules, one concept each. The orchestrator side never imports the learner side 
 starts the learner by command line (learner_process) and talks to it through files (mailbox).
     orchestrator the step loop of `agentloop train` (orchestrator side)
     cursor       DataCursor: resumable, epoch-shuffled prompt order (orchestrator side)
+    served_model what the servers serve against model.path, before step 1 (orchestrator side)
+    model_support  which models the learner runs exactly, from the config alone: refusals and the head
+                 transform (soft cap, logit scale) it applies (both sides; no torch)
     learner_process  LearnerProcess + learner_command: the learner as a child process group
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
     flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput
@@ -48,6 +51,9 @@ _EXPORTS = {
     "prepare_episodes": "batching",
     "plan_micro_batches": "batching",
     "latest_checkpoint": "checkpoint",
+    "ModelSupport": "model_support",
+    "check_model_support": "model_support",
+    "require_model_support": "model_support",
     "Learner": "learner",
     "learner_command": "learner_process",
     "serve": "learner",
