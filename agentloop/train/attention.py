@@ -122,6 +122,11 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+def _window(module: Any, kwargs: dict[str, Any]) -> int | None:
+    """The layer's sliding window: passed to the attention function (Mistral) or kept on the module (Gemma-2)."""
+    return kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+
+
 def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function: query [b, Hq, L, D], key/value [b, Hkv, L, D] -> ([b, L, Hq, D], None)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -129,7 +134,7 @@ def _flex_attention_forward(module, query, key, value, attention_mask, scaling=N
     if not isinstance(attention_mask, BlockMask):
         raise RuntimeError(f"{FLEX_IMPL} attention needs a FlexAttention BlockMask as attention_mask, got "
                            f"{type(attention_mask).__name__}: the learner builds it from the packed micro-batch")
-    window, longest = getattr(module, "sliding_window", None), kwargs.get(LONGEST_KWARG)
+    window, longest = _window(module, kwargs), kwargs.get(LONGEST_KWARG)
     if window and (longest is None or longest > window):
         raise NotImplementedError(f"{FLEX_IMPL}: a sliding window of {window} tokens on sequences of up to {longest} "
                                   "tokens is not supported (a window at least as long as every sequence is)")
@@ -291,7 +296,7 @@ def _varlen_attention_forward(module, query, key, value, attention_mask, scaling
                            f"of the packed micro-batch), got {type(layout).__name__}")
     if attention_mask is not None:
         raise RuntimeError(f"{VARLEN_IMPL}: an attention_mask would be ignored; the layout carries the boundaries")
-    window = getattr(module, "sliding_window", None)
+    window = _window(module, kwargs)
     if window and layout.max_k > window:
         raise NotImplementedError(f"{VARLEN_IMPL}: a sliding window of {window} tokens on a sequence of {layout.max_k} "
                                   "tokens is not supported (a window at least as long as every sequence is)")

@@ -183,6 +183,45 @@ def test_an_unknown_head_post_processing_fails_the_first_forward(models, monkeyp
         _learner_logprobs(models("granite"), _records())
 
 
+@pytest.mark.parametrize("attention", ["flex", "varlen"])
+def test_packed_attention_runs_a_window_that_covers_every_sequence_and_refuses_a_shorter_one(attention):
+    """Mistral with every layer windowed: flex and varlen compute the packed row as SDPA's dense mask does while
+    the window covers the longest sequence (6 tokens here), and refuse the row when the window (5) would cut."""
+    import warnings
+
+    import transformers as tf
+
+    from agentloop.train import attention as att
+    from agentloop.train.batching import Episode, collate_packed
+
+    att.register_flex()
+    att.register_varlen()
+    eps = [Episode([1, 2, 3, 4, 5, 6, 7], 3, [1] * 4, [0.0] * 4, 1.0, 1.0),
+           Episode([8, 9, 10, 11, 12], 2, [1] * 3, [0.0] * 3, 1.0, 1.0),
+           Episode([8, 9, 13, 14], 2, [1] * 2, [0.0] * 2, 1.0, 1.0)]
+    mb = collate_packed(eps, [[0], [1, 2]], "token-mean", num_tokens=9, num_seqs=3, pad_multiple=8)
+    for window, ok in ((6, True), (5, False)):
+        def build(impl: str):  # a config each: the model keeps (and marks its implementation in) the one given
+            return tf.MistralForCausalLM._from_config(tf.MistralConfig(**SIZES, head_dim=8, sliding_window=window),
+                                                      attn_implementation=impl).eval()
+
+        model, sdpa = build(att.model_attn_impl(attention)), build("sdpa")
+        sdpa.load_state_dict(model.state_dict())
+        att.check_attn_impl(model, attention)
+        bounds = att.attention_inputs(mb, attention, torch.device("cpu"))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # uncompiled flex on CPU warns that it is unfused
+            if not ok:
+                with pytest.raises(NotImplementedError, match=f"sliding window of {window} tokens"):
+                    model(input_ids=mb.input_ids, position_ids=mb.position_ids, **bounds)
+                continue
+            a = model(input_ids=mb.input_ids, position_ids=mb.position_ids, **bounds).logits
+            b = sdpa(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                     attention_mask=att.dense_mask(mb.doc_ids, mb.seg_ids)).logits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        mb.attn_cache.clear()
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 def test_configs_the_learner_cannot_run_exactly_are_refused_with_the_key_and_the_fix():
