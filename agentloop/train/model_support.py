@@ -206,32 +206,35 @@ def check_model_support(model: Any, *, max_len: int | None = None) -> ModelSuppo
     unpadded = val("unpadded_vocab_size")
     if unpadded is not None and val("vocab_size") is not None and int(unpadded) < int(val("vocab_size")):
         s.problems.append(f"unpadded_vocab_size={unpadded} < vocab_size={val('vocab_size')}: the model cuts its "
-                          "logits to the unpadded vocabulary, the learner's head computes the softmax over all of it")
+                          "logits to the unpadded vocabulary, the learner's head computes the softmax over all of it; "
+                          "not supported")
     if mt in _HEAD_BIAS and (_HEAD_BIAS[mt] is None or val(_HEAD_BIAS[mt])):
         s.problems.append(f"model_type {mt!r} has an LM head bias, which the learner's chunked logprob head does "
                           "not add; use a model without one")
 
     # -- layers and attention -------------------------------------------------------------------------------
     if mt in _REFUSED_TYPES or tmt in _REFUSED_TYPES:
-        s.problems.append(f"model_type {mt!r}: {_REFUSED_TYPES.get(mt) or _REFUSED_TYPES[tmt]}; not supported")
+        s.problems.append(f"model_type {mt!r}: {_REFUSED_TYPES.get(mt) or _REFUSED_TYPES[tmt]}; not supported, "
+                          "use another model")
     if getattr(config, "is_encoder_decoder", False):
-        s.problems.append("an encoder-decoder model: the learner trains decoder-only causal LMs")
+        s.problems.append("is_encoder_decoder=true: the learner trains decoder-only causal LMs; use one")
     if val("use_bidirectional_attention") is True or val("is_causal") is False:
-        s.problems.append("bidirectional (non-causal) attention: the learner attends causally; not supported")
+        s.problems.append("use_bidirectional_attention / is_causal: bidirectional (non-causal) attention, but the "
+                          "learner attends causally; use a causal model")
     softcap = val("attn_logit_softcapping")
     if softcap is not None:
         s.problems.append(f"attn_logit_softcapping={softcap:g}: none of the learner's attention paths (SDPA, "
                           "FlashAttention varlen, FlexAttention) soft-caps attention scores, so its logprobs would "
-                          "be off; not supported")
+                          "be off; use a model without attention soft-capping")
     kinds = [str(k) for k in (val("layer_types") or [])]
     for key in ("layers_block_type", "block_types"):
         kinds += [str(k) for k in (val(key) or [])]
     other = sorted({k for k in kinds if k not in _ATTENTION_LAYERS and k not in _STATELESS_LAYERS
                     and k not in _WINDOWED})
     if other:
-        s.problems.append(f"layer types {other}: only attention layers (full or sliding) are supported; recurrent, "
+        s.problems.append(f"layer_types {other}: only attention layers (full or sliding) are supported; recurrent, "
                           "linear-attention, state-space and sparse layers would carry state or skip keys across "
-                          "the sequences of a packed or shared row")
+                          "the sequences of a packed or shared row; use an attention-only model")
     windows: dict[str, int] = {}
     if val("layer_types"):
         for kind, key in _WINDOWED.items():

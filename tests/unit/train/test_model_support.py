@@ -45,8 +45,8 @@ def _config(kind: str):
                                  shared_expert_intermediate_size=16)
     if kind == "mixtral":
         return tf.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
-    if kind == "mistral_window":  # every layer windowed at 8 tokens, sequences up to 64
-        return tf.MistralConfig(**SIZES, sliding_window=8)
+    if kind == "mistral_window":  # every layer windowed at 16 tokens, sequences up to 64
+        return tf.MistralConfig(**SIZES, sliding_window=16)
     raise ValueError(kind)
 
 
@@ -234,8 +234,8 @@ def test_configs_the_learner_cannot_run_exactly_are_refused_with_the_key_and_the
 
     window = _config("mistral_window")
     msg = problems(window)
-    assert "sliding_window=8" in msg and "sequences may reach 64" in msg and "model.context_length <= 8" in msg
-    ok = check_model_support(window, max_len=8)  # the run's context fits the window: exact
+    assert "sliding_window=16" in msg and "sequences may reach 64" in msg and "model.context_length <= 16" in msg
+    ok = check_model_support(window, max_len=16)  # the run's context fits the window: exact
     assert ok.ok and any("window never cuts" in a for a in ok.applied)
     assert "attn_logit_softcapping=50" in problems(tf.Gemma2Config(**SIZES, sliding_window=64))
     # a key other architectures apply to the head, on a model type agentloop does not list
@@ -253,15 +253,37 @@ def test_configs_the_learner_cannot_run_exactly_are_refused_with_the_key_and_the
 
 
 def test_the_learner_refuses_an_active_sliding_window_before_building_anything(models, monkeypatch):
-    """A window of 8 tokens with sequences up to 64: refused as the learner starts (no model built), with the
+    """A window of 16 tokens with sequences up to 64: refused as the learner starts (no model built), with the
     model's key named; the same model with the run's context inside the window starts."""
     d = models("mistral_window")
     monkeypatch.setattr(Learner, "_build", lambda *a, **k: pytest.fail("built a model it must refuse"))
-    with pytest.raises(ConfigError, match=r"sliding_window=8: the window cuts sequences longer than 8 tokens"):
+    with pytest.raises(ConfigError, match=r"sliding_window=16: the window cuts sequences longer than 16 tokens"):
         Learner(d, AlgoConfig(), LearnerConfig(device="cpu"))
     monkeypatch.undo()
-    learner = Learner(d, AlgoConfig(), LearnerConfig(device="cpu"), max_len=8)
+    learner = Learner(d, AlgoConfig(), LearnerConfig(device="cpu"), max_len=16)
     learner.close()
+
+
+def test_the_learner_process_checks_against_the_runs_context_length(models, tmp_path):
+    """The learner process reads model.context_length from the run's config: without it (sequences up to
+    max_position_embeddings = 64) the window of 16 is refused (exit 1); with 16 it starts and, given no batch,
+    times out (exit 2)."""
+    from agentloop.train.learner import EXIT_FAILED, EXIT_TIMEOUT, logger, main
+
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    try:
+        for ctx, code in ((None, EXIT_FAILED), (16, EXIT_TIMEOUT)):
+            conf = tmp_path / f"config-{ctx}.yaml"
+            conf.write_text(("" if ctx is None else f"model: {{context_length: {ctx}}}\n")
+                            + "learner: {device: cpu, batch_timeout_s: 0.2, poll_s: 0.05}\n")
+            run_dir = tmp_path / f"run-{ctx}"
+            run_dir.mkdir()
+            argv = ["--run-dir", str(run_dir), "--model", str(models("mistral_window")), "--config", str(conf),
+                    "--no-resume", "--heartbeat-s", "0.1"]
+            assert main(argv) == code, ctx
+    finally:
+        logger.handlers[:], logger.propagate = handlers, propagate
+        logger.setLevel(level)
 
 
 def test_agentloop_train_refuses_the_model_before_starting_anything(models, tmp_path):
@@ -272,6 +294,6 @@ def test_agentloop_train_refuses_the_model_before_starting_anything(models, tmp_
     cfg = load_config(None, ['server.urls=["http://127.0.0.1:1"]', f'model.path="{models("mistral_window")}"',
                              f'run_dir="{run_dir}"', "train.steps=1", "train.tensorboard=false",
                              "tools.python.allow_unisolated=true"])  # the sandbox check is not under test
-    with pytest.raises(ConfigError, match=r"sliding_window=8"):
+    with pytest.raises(ConfigError, match=r"sliding_window=16"):
         run_train(cfg)
     assert not (run_dir / "learner.log").exists()
