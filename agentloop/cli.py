@@ -40,7 +40,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (see configs/)")
     p.add_argument("--server-url", action="append", default=[], metavar="URL",
                    help="use a running SGLang server (repeatable); default: launch local ones")
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: built-in tiny model)")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: built-in tiny model; "
+                   "train with --server-url needs it: the directory the servers were started with)")
     p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
     p.add_argument("--plugin", action="append", default=[], metavar="P",
                    help="python file or module to import first (registers loops/tools/rewards); repeatable")

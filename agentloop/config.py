@@ -338,6 +338,10 @@ def validate_for_training(cfg: Config) -> Config:
     truncated = [f"{k}={v}" for k, v, on in (("sampling.top_p", s.top_p, s.top_p < 1),
                                               ("sampling.top_k", s.top_k, s.top_k > 0),
                                               ("sampling.min_p", s.min_p, s.min_p > 0)) if on]
+    if cfg.server.urls and not cfg.model.path:
+        problems.append("server.urls (--server-url) is set but model.path (--model) is not: the learner would train "
+                        "the built-in tiny model while the servers serve whatever they were started with; pass "
+                        "--model DIR, the Hugging Face directory the servers were started with")
     if truncated and not cfg.train.accept_biased_ratios:
         problems.append(f"{', '.join(truncated)} truncates sampling, but the server's logprobs are those of the "
                         "full tempered softmax, so PPO ratios and TIS weights would be off; use the defaults "

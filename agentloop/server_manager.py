@@ -523,10 +523,16 @@ class ServerManager:
         """Liveness of an admitted server (GET /health)."""
         return await self._get_ok(self.urls[idx], "/health", self.cfg.health_timeout_s) is not None
 
+    async def model_info(self, idx: int, timeout: float | None = None) -> dict[str, Any] | None:
+        """What the server says it serves (GET /model_info: model_path, model_type, architectures,
+        weight_version, ...), None when it does not answer with a JSON object."""
+        info = await self._get_ok(self.urls[idx], "/model_info", timeout or self.cfg.health_timeout_s)
+        return info if isinstance(info, dict) else None
+
     async def reported_version(self, idx: int) -> int | None:
         """The weight version the server says it serves (GET /model_info), None when it does not say."""
-        info = await self._get_ok(self.urls[idx], "/model_info", self.cfg.health_timeout_s)
-        return parse_version(info.get("weight_version")) if isinstance(info, dict) else None
+        info = await self.model_info(idx)
+        return parse_version(info.get("weight_version")) if info is not None else None
 
     async def _try_readmit(self, idx: int) -> None:
         """An ejected server: a probe through its scheduler, then its version; resync when stale."""

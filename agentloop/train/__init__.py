@@ -7,6 +7,9 @@ starts the learner by command line (learner_process) and talks to it through fil
     cursor       DataCursor: resumable, epoch-shuffled prompt order, the rows' fingerprint (orchestrator side)
     resume       the resume rule: a run dir's saved config + the values given now, pinned keys refused
                  (orchestrator side)
+    served_model what the servers serve against model.path, before step 1 (orchestrator side)
+    model_support  which models the learner runs exactly, from the config alone: refusals and the head
+                 transform (soft cap, logit scale) it applies (both sides; no torch)
     learner_process  LearnerProcess + learner_command: the learner as a child process group
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
     flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput
@@ -50,6 +53,9 @@ _EXPORTS = {
     "prepare_episodes": "batching",
     "plan_micro_batches": "batching",
     "latest_checkpoint": "checkpoint",
+    "ModelSupport": "model_support",
+    "check_model_support": "model_support",
+    "require_model_support": "model_support",
     "Learner": "learner",
     "learner_command": "learner_process",
     "serve": "learner",

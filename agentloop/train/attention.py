@@ -45,6 +45,9 @@ import torch
 FLEX_IMPL = "agentloop_flex"
 VARLEN_IMPL = "agentloop_varlen"
 VARLEN_KWARG = "agentloop_varlen"
+LONGEST_KWARG = "agentloop_longest"
+"""Flex: the model call's keyword holding the longest sequence of the packed row (a sliding window that long or
+longer never cuts; agentloop.train.model_support refuses models whose window could)."""
 BLOCK = 128
 
 
@@ -119,6 +122,11 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+def _window(module: Any, kwargs: dict[str, Any]) -> int | None:
+    """The layer's sliding window: passed to the attention function (Mistral) or kept on the module (Gemma-2)."""
+    return kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+
+
 def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function: query [b, Hq, L, D], key/value [b, Hkv, L, D] -> ([b, L, Hq, D], None)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -126,8 +134,10 @@ def _flex_attention_forward(module, query, key, value, attention_mask, scaling=N
     if not isinstance(attention_mask, BlockMask):
         raise RuntimeError(f"{FLEX_IMPL} attention needs a FlexAttention BlockMask as attention_mask, got "
                            f"{type(attention_mask).__name__}: the learner builds it from the packed micro-batch")
-    if getattr(module, "sliding_window", None):
-        raise NotImplementedError(f"{FLEX_IMPL}: sliding-window layers are not supported")
+    window, longest = _window(module, kwargs), kwargs.get(LONGEST_KWARG)
+    if window and (longest is None or longest > window):
+        raise NotImplementedError(f"{FLEX_IMPL}: a sliding window of {window} tokens on sequences of up to {longest} "
+                                  "tokens is not supported (a window at least as long as every sequence is)")
     if dropout:
         raise NotImplementedError(f"{FLEX_IMPL}: attention dropout is not supported")
     # Uncompiled flex materializes the scores (a reference, for CPU tests); on CPU compiled flex gave NaN under
@@ -286,8 +296,10 @@ def _varlen_attention_forward(module, query, key, value, attention_mask, scaling
                            f"of the packed micro-batch), got {type(layout).__name__}")
     if attention_mask is not None:
         raise RuntimeError(f"{VARLEN_IMPL}: an attention_mask would be ignored; the layout carries the boundaries")
-    if getattr(module, "sliding_window", None):
-        raise NotImplementedError(f"{VARLEN_IMPL}: sliding-window layers are not supported")
+    window = _window(module, kwargs)
+    if window and layout.max_k > window:
+        raise NotImplementedError(f"{VARLEN_IMPL}: a sliding window of {window} tokens on a sequence of {layout.max_k} "
+                                  "tokens is not supported (a window at least as long as every sequence is)")
     if dropout:
         raise NotImplementedError(f"{VARLEN_IMPL}: attention dropout is not supported")
     if query.shape[0] != 1:
@@ -390,11 +402,13 @@ def attention_inputs(mb: Any, attention: str, device: torch.device) -> dict[str,
         else:
             doc, seg = mb.doc_ids.to(device), mb.seg_ids.to(device)
             cached = {"attention_mask": block_mask(doc, seg) if attention == "flex" else dense_mask(doc, seg)}
+            if attention == "flex":  # positions restart per sequence: the longest is the largest position + 1
+                cached[LONGEST_KWARG] = int(mb.position_ids.max()) + 1 if mb.position_ids.numel() else 0
         mb.attn_cache[key] = cached
     return cached
 
 
-__all__ = ["BLOCK", "FLEX_IMPL", "VARLEN_IMPL", "VARLEN_KWARG", "VarlenLayout", "allowed", "attention_inputs",
-           "block_mask", "check_attn_impl", "dense_mask", "flex_available", "flex_head_dim_ok", "model_attn_impl",
-           "register_flex", "register_varlen", "resolve_attention", "varlen_attn", "varlen_available",
-           "varlen_head_dim_ok", "varlen_layout"]
+__all__ = ["BLOCK", "FLEX_IMPL", "LONGEST_KWARG", "VARLEN_IMPL", "VARLEN_KWARG", "VarlenLayout", "allowed",
+           "attention_inputs", "block_mask", "check_attn_impl", "dense_mask", "flex_available", "flex_head_dim_ok",
+           "model_attn_impl", "register_flex", "register_varlen", "resolve_attention", "varlen_attn",
+           "varlen_available", "varlen_head_dim_ok", "varlen_layout"]

@@ -43,6 +43,9 @@ Who calls whom: serve -> Learner -> batching / attention / logprobs / losses / c
 weight_sync (pushes); Learner never touches the mailbox, so it is the API for an in-process trainer too.
 
 How a step runs (train_step):
+  * Model check (first, from the config alone): agentloop.train.model_support refuses a model the learner
+    cannot run exactly (attention soft cap, sinks, recurrent layers, a sliding window shorter than the run's
+    sequences, ...) and names the head transform (soft cap, logit scale) its logprob head applies.
   * Model loading: rank 0 reads the HF weights once (float32, host); every rank builds the model on the
     meta device, shards it (FSDP2 `fully_shard` per decoder layer, then the root; bf16 compute with
     float32 master weights and reductions on GPU) and receives its shards from rank 0.
@@ -51,7 +54,9 @@ How a step runs (train_step):
     prompts block-sparsely (agentloop.train.attention); on CPU, padded rows (or packed ones with a dense
     mask). The model is checked to run an attention implementation that applies that mask.
   * Logprobs and entropy come from the final hidden states through agentloop.train.logprobs, in chunks:
-    no [tokens x vocab] float32 tensor exists, in the forward or the backward pass.
+    no [tokens x vocab] float32 tensor exists, in the forward or the backward pass. The model's own
+    post-processing of its head output is switched off and applied by that head; a forward that still
+    changes the head's output fails the step.
   * Losses and metrics accumulate on the device; the host reads them once per optimizer step (the
     gradient norm) and once at the end.
   * Old (proximal) logprobs: the loss pass's own when the weights have not moved yet, else a no-grad
@@ -166,7 +171,10 @@ class Learner:
     own share.
     """
 
-    def __init__(self, model_path: str | Path, algo: AlgoConfig | None = None, cfg: LearnerConfig | None = None):
+    def __init__(self, model_path: str | Path, algo: AlgoConfig | None = None, cfg: LearnerConfig | None = None, *,
+                 max_len: int | None = None):
+        """`max_len`: the longest sequence the run can produce (model.context_length), for the model check
+        (agentloop.train.model_support; None: the model's max_position_embeddings)."""
         import random
 
         import numpy as np
@@ -177,6 +185,7 @@ class Learner:
 
         from agentloop.train.advantages import get_estimator
         from agentloop.train.attention import register_flex, register_varlen, resolve_attention
+        from agentloop.train.model_support import require_model_support
 
         self.algo = algo or AlgoConfig()
         self.cfg = cfg or LearnerConfig()
@@ -184,6 +193,8 @@ class Learner:
         self.model_path = Path(model_path)
         self.device_type = resolve_device(self.cfg)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        # before anything is built: a model the learner cannot run exactly is refused with its reasons
+        self.support = require_model_support(self.hf_config, max_len=max_len, where=str(self.model_path))
         hc = self.hf_config
         head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
         self._owns_group = init_distributed(self.cfg, self.device_type)
@@ -209,7 +220,7 @@ class Learner:
 
         self.pad_id = self.hf_config.pad_token_id if isinstance(self.hf_config.pad_token_id, int) else 0
         self.mesh = init_device_mesh(self.device_type, (self.world,))
-        self.notes: list[str] = []
+        self.notes: list[str] = [f"model: {line}" for line in self.support.applied]
         """Things the learner decided that a user should know (printed by `serve`)."""
         if self.cfg.total_steps is not None and self.cfg.warmup_steps > self.cfg.total_steps:
             self.notes.append(f"learner.warmup_steps {self.cfg.warmup_steps} > learner.total_steps "
@@ -229,9 +240,10 @@ class Learner:
         del src
         from agentloop.train.logprobs import LogprobHead
 
-        self._heads = {id(self.model): LogprobHead(self.model)}
+        transform = self.support.transform()
+        self._heads = {id(self.model): LogprobHead(self.model, transform)}
         if self.ref_model is not None:
-            self._heads[id(self.ref_model)] = LogprobHead(self.ref_model)
+            self._heads[id(self.ref_model)] = LogprobHead(self.ref_model, transform)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps,
             weight_decay=self.cfg.weight_decay,
@@ -266,11 +278,13 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         from agentloop.train.attention import check_attn_impl, model_attn_impl
+        from agentloop.train.model_support import neutralize_head
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(self.hf_config), dtype=dtype,
                                                      attn_implementation=model_attn_impl(self.attention))
         check_attn_impl(model, self.attention)
+        neutralize_head(model, self.support)  # its LogprobHead applies the head transform instead
         model.config.use_cache = False
         if trainable and self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -378,6 +392,11 @@ class Learner:
                       fused=self.cfg.fuse_logprob_head and self.device_type == "cuda"):
             out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **attn)
         res = out.logits
+        if not head.returned_as_is(res):
+            raise RuntimeError(
+                f"{type(model).__name__} ({self.hf_config.model_type}) changed its LM head's output in its forward "
+                "(a post-processing of the logits agentloop.train.model_support does not know), so the learner's "
+                "logprobs would be wrong; add the model type to model_support.HEAD_TRANSFORMS")
         return res[..., 0], (res[..., 1] if entropy else None)
 
     def _episodes(self, records) -> list:
@@ -747,6 +766,7 @@ def serve(
     *,
     resume: bool = True,
     heartbeat_s: float = 5.0,
+    max_len: int | None = None,
 ) -> int:
     """Train mailbox steps until STOP; returns an exit code (EXIT_OK / EXIT_FAILED / EXIT_TIMEOUT).
 
@@ -760,7 +780,7 @@ def serve(
 
     started = time.time()
     paths = MailboxPaths(Path(run_dir))
-    learner = Learner(model_path, algo, cfg)
+    learner = Learner(model_path, algo, cfg, max_len=max_len)
     rank = learner.rank
     if rank == 0:
         logger.info("model %s loaded in %.1fs: %d rank(s) on %s, %s, run dir %s", model_path, time.time() - started,
@@ -982,12 +1002,15 @@ def main(argv: list[str] | None = None) -> int:
     log_to_stdout(int(os.environ.get("RANK", "0")))
     try:
         algo, cfg = load_sections(a.config, a.overrides)
+        from agentloop.config import load_config
+
+        max_len = load_config(a.config, []).model.context_length if a.config else None
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         logger.info("starting (pid %d): model %s, run dir %s, temperature %g", os.getpid(), a.model, a.run_dir,
                     algo.temperature)
-        code = serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s)
+        code = serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s, max_len=max_len)
     except Exception as e:  # logged (with the traceback) on every rank, then the process exits 1
         logger.exception("failed: %s: %s", type(e).__name__, e)
         code = EXIT_FAILED

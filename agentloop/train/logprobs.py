@@ -6,6 +6,8 @@ Map:
     chunked_logprobs   the functional entry (fused=True: each chunk's math through torch.compile)
     LogprobHead        patches a HF causal LM's output layer so the model's own forward returns
                        [b, L, 2] = (logprob, entropy) instead of logits while a request is set (`use`)
+    HeadTransform      what a model does to its head's output before the softmax (Granite, Cohere scale it,
+                       Gemma-2 soft-caps it): the head applies it itself, in every chunk and in its plain path
 
 Why inside the model's forward: under FSDP2 the LM head weight (tied to the embedding in small Qwen
 models) belongs to the root module, which gathers it for its forward and reduce-scatters its gradient
@@ -18,6 +20,8 @@ then float32), so logprobs match; gradients differ only by the order of float su
 
 With z = logits / T, p = softmax(z), logp_y = z_y - lse(z), H = lse(z) - sum(p z):
     d logp_y / dz = onehot(y) - p,    dH / dz = -p * (log p + H),    d/dlogits = d/dz / T.
+With a head transform, logits = f(x) of the raw head output x = hidden @ W^T: f(x) = s x, then
+c tanh(f / c) when soft-capped, so d/dx = d/dz * s / T (times 1 - tanh^2 when soft-capped).
 """
 
 from __future__ import annotations
@@ -30,10 +34,62 @@ from typing import Any, Iterator
 import torch
 
 
-def _fwd_chunk(z: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
-    """(logp, lse, entropy or None) of one chunk's logits z [c, V] (any float dtype; float32 math or wider)."""
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a model applies to its LM head's output x before the softmax: logits = x * scale, then
+    softcap * tanh(logits / softcap) when `softcap` is set (agentloop.train.model_support reads it from the
+    model's config). The identity for most models."""
+
+    scale: float = 1.0
+    """Granite: 1 / logits_scaling; Cohere: logit_scale; HyperCLOVAX: logits_scaling."""
+    softcap: float | None = None
+    """Gemma-2 and kin: final_logit_softcapping."""
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its raw head output (the plain, non-logprob path of LogprobHead)."""
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.softcap is not None:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x
+
+
+IDENTITY = HeadTransform()
+
+
+def _tempered(x: torch.Tensor, acc: torch.dtype, temperature: float, scale: float, softcap: float | None,
+              deriv: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """z = f(x) / T of a chunk's raw head output x [c, V], in `acc`, and (deriv, soft-capped heads only) the soft
+    cap's derivative 1 - tanh^2 [c, V]. Works in x's buffer when x is already in `acc` (a fresh matmul result)."""
+    x = x.to(acc)
+    d = None
+    if scale != 1.0:
+        x.mul_(scale)
+    if softcap is not None:
+        x = torch.tanh(x.div_(softcap))
+        if deriv:
+            d = x.square().neg_().add_(1.0)
+        x.mul_(softcap)
+    if temperature != 1.0:
+        x.div_(temperature)
+    return x, d
+
+
+def _fwd_chunk(z: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool,
+               scale: float = 1.0, softcap: float | None = None):
+    """(logp, lse, entropy or None) of one chunk's raw head output z [c, V] (any float dtype; float32 math or
+    wider), through the head transform (scale, softcap)."""
     acc = torch.promote_types(z.dtype, torch.float32)
-    z = z.to(acc) / temperature
+    z = z.to(acc)
+    if scale != 1.0:
+        z = z * scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     ent = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1) if want_entropy else None
@@ -41,10 +97,18 @@ def _fwd_chunk(z: torch.Tensor, targets: torch.Tensor, temperature: float, want_
 
 
 def _bwd_chunk(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
-               g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """d loss / d logits of one chunk, in the logits' dtype, from z [c, V] and the saved lse / entropy."""
+               g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float,
+               scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """d loss / d raw head output of one chunk, in the input's dtype, from z [c, V] and the saved lse / entropy."""
     acc = lse.dtype
-    logq = z.to(acc) / temperature - lse.unsqueeze(-1)
+    x = z.to(acc)
+    if scale != 1.0:
+        x = x * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(x / softcap)
+        x = t * softcap
+    logq = x / temperature - lse.unsqueeze(-1)
     p = torch.exp(logq)
     g = torch.zeros_like(p)
     if g_logp is not None:
@@ -53,7 +117,12 @@ def _bwd_chunk(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: t
         g = g + torch.where(onehot, gl, 0.0) - p * gl
     if g_ent is not None:
         g = g - p * (logq + ent.unsqueeze(-1)) * g_ent.to(acc).unsqueeze(-1)
-    return (g / temperature).to(z.dtype)
+    g = g / temperature
+    if scale != 1.0:
+        g = g * scale
+    if t is not None:
+        g = g * (1.0 - t * t)
+    return g.to(z.dtype)
 
 
 class _Fused:
@@ -86,7 +155,8 @@ class _Fused:
 class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, want_entropy: bool, fused: bool = False):
+                chunk: int, want_entropy: bool, fused: bool = False, scale: float = 1.0,
+                softcap: float | None = None):
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32 math for bf16 models, as logits.float()
         logp = torch.empty(n, dtype=acc, device=hidden.device)
@@ -96,14 +166,12 @@ class ChunkedLogprobs(torch.autograd.Function):
             e = min(n, s + chunk)
             if fused:
                 lp_c, lse_c, ent_c = _Fused.call("fwd", hidden[s:e] @ weight.t(), targets[s:e], temperature,
-                                                 want_entropy)
+                                                 want_entropy, scale, softcap)
                 logp[s:e], lse[s:e] = lp_c, lse_c
                 if want_entropy:
                     ent[s:e] = ent_c
                 continue
-            z = (hidden[s:e] @ weight.t()).to(acc)
-            if temperature != 1.0:
-                z.div_(temperature)
+            z, _ = _tempered(hidden[s:e] @ weight.t(), acc, temperature, scale, softcap)
             lse_c = torch.logsumexp(z, dim=-1)
             lse[s:e] = lse_c
             logp[s:e] = z.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse_c
@@ -114,6 +182,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature, ctx.chunk, ctx.want_entropy, ctx.fused = temperature, chunk, want_entropy, fused
+        ctx.scale, ctx.softcap = scale, softcap
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return logp, ent, lse
@@ -121,10 +190,11 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_lse):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
+        T, chunk, scale, softcap = ctx.temperature, ctx.chunk, ctx.scale, ctx.softcap
         use_ent = ctx.want_entropy and g_ent is not None
+        none = (None,) * 9
         if g_logp is None and not use_ent:
-            return None, None, None, None, None, None, None
+            return none
         n = hidden.shape[0]
         acc = lse.dtype
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -134,15 +204,14 @@ class ChunkedLogprobs(torch.autograd.Function):
             hc = hidden[s:e]
             if ctx.fused:
                 gz = _Fused.call("bwd", hc @ weight.t(), targets[s:e], lse[s:e], ent[s:e] if use_ent else None,
-                                 None if g_logp is None else g_logp[s:e], g_ent[s:e] if use_ent else None, T)
+                                 None if g_logp is None else g_logp[s:e], g_ent[s:e] if use_ent else None, T,
+                                 scale, softcap)
                 if grad_h is not None:
                     grad_h[s:e] = gz @ weight
                 if grad_w is not None:
                     grad_w.add_((gz.t() @ hc).to(acc))
                 continue
-            z = (hc @ weight.t()).to(acc)
-            if T != 1.0:
-                z.div_(T)
+            z, dcap = _tempered(hc @ weight.t(), acc, T, scale, softcap, deriv=True)
             logq = z.sub_(lse[s:e].unsqueeze(-1))  # in place: log p
             p = torch.exp(logq)
             gs = None
@@ -154,24 +223,30 @@ class ChunkedLogprobs(torch.autograd.Function):
                 gs = gp if gs is None else gs.add_(gp)
             if T != 1.0:
                 gs.div_(T)
+            if scale != 1.0:
+                gs.mul_(scale)
+            if dcap is not None:
+                gs.mul_(dcap)
             gz = gs.to(weight.dtype)
-            del gs, p, z, logq
+            del gs, p, z, logq, dcap
             if grad_h is not None:
                 grad_h[s:e] = gz @ weight
             if grad_w is not None:
                 grad_w.add_((gz.t() @ hc).to(acc))
             del gz
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) + none[2:]
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                     chunk: int = 2048, entropy: bool = False,
-                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprob [N], entropy [N] or None) of `targets` [N] under logits = hidden [N, H] @ weight [V, H]^T / T.
+                     chunk: int = 2048, entropy: bool = False, fused: bool = False,
+                     transform: HeadTransform = IDENTITY) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob [N], entropy [N] or None) of `targets` [N] under logits = f(hidden [N, H] @ weight [V, H]^T) / T,
+    f the model's head transform (identity for most models).
 
     fused: each chunk's elementwise math through torch.compile (GPU), else eager with in-place buffers."""
     logp, ent, _ = ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), bool(entropy),
-                                         bool(fused))
+                                         bool(fused), float(transform.scale),
+                                         None if transform.softcap is None else float(transform.softcap))
     return logp, (ent if entropy else None)
 
 
@@ -188,35 +263,46 @@ class _Request:
 class LogprobHead:
     """The model's output layer, patched: with a request set (`use`), its forward returns
     [b, L, 2] float32 = (logprob of targets[b, l], entropy or 0) instead of [b, L, V] logits; without one
-    it is the plain linear layer (generation and anything else keep working)."""
+    it is the plain linear layer followed by `transform` (generation and anything else keep working).
 
-    def __init__(self, model: Any):
+    A model whose forward transforms the head's output itself (Gemma-2's soft cap, Granite's and Cohere's
+    scales) would transform the [b, L, 2] of a request too: agentloop.train.model_support switches that off in
+    the model and hands the transform here. `output` is the tensor the last request returned, so a caller can
+    check that the model's forward passed it through unchanged (`returned_as_is`)."""
+
+    def __init__(self, model: Any, transform: HeadTransform = IDENTITY):
         head = model.get_output_embeddings()
         if head is None or not isinstance(head, torch.nn.Linear):
             raise ValueError(f"{type(model).__name__}: no linear output layer to compute logprobs from")
         if head.bias is not None:
             raise ValueError(f"{type(model).__name__}: the chunked logprob head does not support an LM head bias")
         self.module = head
+        self.transform = transform
         self.request: _Request | None = None
+        self.output: torch.Tensor | None = None
+        self._checked = False
         original = head.forward
         owner = self
 
         def forward(mod: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
             req = owner.request
             if req is None:
-                return original(hidden)
+                out = original(hidden)
+                return out if owner.transform.identity else owner.transform.apply(out)
             b, L, H = hidden.shape
             targets = req.targets.reshape(-1)
             if targets.numel() != b * L:
                 raise ValueError(f"logprob head: {targets.numel()} targets for {b}x{L} positions")
             logp, ent = chunked_logprobs(hidden.reshape(b * L, H), mod.weight, targets, temperature=req.temperature,
-                                         chunk=req.chunk, entropy=req.entropy, fused=req.fused)
+                                         chunk=req.chunk, entropy=req.entropy, fused=req.fused,
+                                         transform=owner.transform)
             if ent is None:
                 ent = torch.zeros_like(logp)
             elif not req.entropy_grad:
                 ent = ent.detach()
             # stacked last, so the output is no view (FSDP2 warns about views it cannot hook)
-            return torch.stack([logp.view(b, L), ent.view(b, L)], dim=-1)
+            owner.output = torch.stack([logp.view(b, L), ent.view(b, L)], dim=-1)
+            return owner.output
 
         head.forward = types.MethodType(forward, head)
 
@@ -224,10 +310,23 @@ class LogprobHead:
     def use(self, targets: torch.Tensor, *, entropy: bool, entropy_grad: bool, temperature: float,
             chunk: int, fused: bool = False) -> Iterator[None]:
         self.request = _Request(targets, entropy, entropy_grad, temperature, chunk, fused)
+        self.output = None
         try:
             yield
         finally:
             self.request = None
 
+    def returned_as_is(self, logits: torch.Tensor) -> bool:
+        """Whether the model's forward returned the last request's output unchanged (and forgets it). A
+        neutralized scale still divides by 1.0 (a new tensor, equal values): values are compared, on the first
+        request only (the comparison waits for the device; the forward's code path is the same every time)."""
+        out, self.output = self.output, None
+        if out is None:
+            return False
+        if logits is out or self._checked:
+            return True
+        self._checked = logits.shape == out.shape and bool(torch.equal(logits.detach(), out.detach()))
+        return self._checked
 
-__all__ = ["ChunkedLogprobs", "LogprobHead", "chunked_logprobs"]
+
+__all__ = ["ChunkedLogprobs", "HeadTransform", "LogprobHead", "chunked_logprobs"]

@@ -13,7 +13,8 @@ Map:
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
 Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer), LearnerProcess
 (learner_process.py), DataCursor (cursor.py), the mailbox (mailbox.py), StepLog and the progress line
-(agentloop.report), the group stream (agentloop.rollout.engine.GroupStream).
+(agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
+starts (model_support.py) and of what the servers serve before step 1 (served_model.py).
 
 Versions: v = the weights after v learner updates (initial: 0). Step s trains version s-1 into s;
 with `train.max_staleness` η every trained token was sampled by a version in [s-1-η, s-1]
@@ -65,7 +66,9 @@ from agentloop.tools.sandbox import require_isolation
 from agentloop.train.cursor import DataCursor
 from agentloop.train.learner_process import LearnerProcess
 from agentloop.train.mailbox import MailboxClient, MailboxError, UpdateResult
+from agentloop.train.model_support import require_model_support
 from agentloop.train.schedule import Admission, GroupBuffer, Staleness
+from agentloop.train.served_model import align_served_weights, check_served_model
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.util.runtime import run_async
 
@@ -494,6 +497,8 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     train_samples, val_samples = data.train, data.val
     scorer = Scorer(cfg)
     model_path = resolve_train_model(cfg)
+    # refused before anything starts when the learner cannot run the model exactly (it checks again itself)
+    support = require_model_support(model_path, max_len=cfg.model.context_length)
     tokenizer = load_tokenizer_for(cfg, model_path)
     log = StepLog(cfg, run_dir)
     learner = LearnerProcess(cfg, run_dir, model_path)
@@ -506,12 +511,13 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     print(f"agentloop train: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x "
           f"{cfg.rollout.n_samples} samples, loop {cfg.rollout.loop}, schedule {sched}, model {model_path}\n"
           f"  run dir {run_dir} (learner log: {learner.log_path})\n"
-          f"  data: {len(train_samples)} training rows of {data.train_source}; validation: {data.val_source}",
-          file=sys.stderr, flush=True)
+          f"  data: {len(train_samples)} training rows of {data.train_source}; validation: {data.val_source}"
+          + "".join(f"\n  model: {line}" for line in support.applied), file=sys.stderr, flush=True)
     try:
         async with serving(cfg, model_path, run_dir, initial_version=0) as sm:
             sm.on_event = lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True)
             sm.cache_salt = interrupt_policy(cfg.train.interrupt).cache_salt
+            served = await check_served_model(sm, model_path)  # the servers serve model.path, or an error now
             try:
                 info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
             except AgentLoopError as e:
@@ -528,6 +534,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
             trainer = Trainer(cfg, run_dir, sm, engine, client, learner, log, cursor, val_samples)
             sm.resync = trainer.resync
+            await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
             sm.expect_version(0)
             if first > 1:
                 await trainer.resume_weights(first)

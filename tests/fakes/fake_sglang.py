@@ -5,8 +5,9 @@ deterministic function of (input ids, seed), so retries elsewhere give the same 
 Behaviour is switched at run time through `mode`: ok | error500 | error400 | hang | slow | garbage.
 Weight-sync endpoints (disk, tensor, distributed, group init/destroy) are recorded in `admin` and set
 `weight_version` when the request carries one; paths in `refuse` answer `success: false` (HTTP 400).
-GET /server_info reports `tp_size`; GET /model_info the `weight_version`; GET /health_generate is
-/health. With `token_delay_s` > 0 tokens are made one at a time, so a pause can meet a request
+GET /server_info reports `tp_size`; GET /model_info what SGLang 0.5.23 names there: `model_path` (moved by
+/update_weights_from_disk, as in SGLang), `model_type`, `architectures` and `weight_version`; GET
+/health_generate is /health. With `token_delay_s` > 0 tokens are made one at a time, so a pause can meet a request
 midway, as in SGLang: mode abort returns the partial tokens (finish abort), retract and in_place
 hold the request and go on after /continue_generation; responses carry `weight_versions` spans
 (switch off with `report_spans=False`, like servers that do not report them).
@@ -56,6 +57,9 @@ class FakeSGLang:
     port: int = 0
     healthy: bool = True
     weight_version: str = "default"
+    model_path: str = "fake"
+    model_type: str | None = None
+    architectures: list[str] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     admin: list[tuple[str, Any]] = field(default_factory=list)
@@ -176,7 +180,8 @@ class FakeSGLang:
     async def _model_info(self, request: web.Request) -> web.Response:
         if not self.healthy:  # like a process that is gone: nothing answers
             return web.Response(status=503, text="unhealthy")
-        return web.json_response({"model_path": "fake", "weight_version": self.weight_version})
+        return web.json_response({"model_path": self.model_path, "model_type": self.model_type,
+                                  "architectures": self.architectures, "weight_version": self.weight_version})
 
     async def _health(self, request: web.Request) -> web.Response:
         self.events.append(request.path)
@@ -330,6 +335,7 @@ class FakeSGLang:
             await self._note()  # requests held in place or retracted go on
         elif path == "/update_weights_from_disk":
             self.weight_version = str(body.get("weight_version") or "updated")
+            self.model_path = str(body.get("model_path") or self.model_path)
             return web.json_response({"success": True, "message": "ok"})
         elif path == "/begin_weight_update":
             if self.session_open:

@@ -24,8 +24,10 @@ TOL = 1e-4
 def test_learner_logprobs_match_server_at_temperature_0_7(sglang_server):
     from agentloop.train.learner import Learner
 
-    cfg = validate_for_training(load_config(None, [f"server.urls=[\"{sglang_server.url}\"]", "sampling.temperature=0.7",
-                                                   "sampling.max_new_tokens=24", "sampling.ignore_eos=true"]))
+    cfg = validate_for_training(load_config(None, [f"server.urls=[\"{sglang_server.url}\"]",
+                                                   f"model.path=\"{sglang_server.model_path}\"",
+                                                   "sampling.temperature=0.7", "sampling.max_new_tokens=24",
+                                                   "sampling.ignore_eos=true"]))
     assert cfg.algo.temperature == 0.7
 
     async def sample():
