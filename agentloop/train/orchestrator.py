@@ -359,8 +359,7 @@ class Trainer:
     async def run_async(self, first: int) -> None:
         cfg = self.cfg
         B, n = cfg.train.prompts_per_step, cfg.rollout.n_samples
-        steps_left = cfg.train.steps - first + 1
-        admission = Admission(B, cfg.train.max_staleness, total=steps_left * B)
+        admission: Admission  # made once the submitted batches are adopted: it counts from that version on
         buffer: GroupBuffer[GroupOutcome] = GroupBuffer(self.staleness)
         stream = self.engine.stream()
         changed = asyncio.Event()
@@ -416,7 +415,10 @@ class Trainer:
 
         first = await self.adopt_submitted(first)
         state["next_step"], state["version"] = first, first - 1
-        admission.total = (cfg.train.steps - first + 1) * B
+        # A resumed run counts admissions from the version it starts at, so it keeps exactly the groups
+        # in flight that a fresh run keeps at that point (η = 0: the synchronous schedule again).
+        admission = Admission(B, cfg.train.max_staleness, total=(cfg.train.steps - first + 1) * B,
+                              base_version=first - 1)
         tasks = [asyncio.create_task(produce(), name="producer"), asyncio.create_task(collect(), name="collector")]
         try:
             for step in range(first, cfg.train.steps + 1):
