@@ -28,12 +28,19 @@ record or an aborted record (both counted, neither trained).
 Resume: the learner resumes from its last checkpoint (step C) and reports `next_step` = C+1 and the
 data state stored with it: the next new position and the positions handed out but not trained,
 which are given out again first, so every position is trained exactly once. The servers load
-weights/step-C before rolling out (missing weights are an error). After a kill of the synchronous
+weights/step-C before rolling out (the learner keeps them from pruning and writes them from the
+checkpoint when missing; still missing is an error). Admission counts from version C, so the run keeps
+the groups in flight a fresh run keeps (η = 0: the synchronous schedule). After a kill of the synchronous
 schedule, a step whose batch was already submitted keeps its rollouts, the partial rollouts file of
 the step in flight is replaced, and metrics.jsonl keeps one line per step. The learner gets SIGTERM
 when this process dies, even by SIGKILL, so it never outlives the run to race a resumed one.
 Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers are stopped by
 `serving`, and the last checkpoint stays usable.
+
+End of a run (`finish_learner`): the learner gets a final STOP and saves the last step's HF weights
+(weights/step-N; tensor|nccl write them only now) and a checkpoint of it (unless that step has one),
+then exits; the run waits for that (`train.update_timeout_s`) before it is done, and the summary
+names both directories.
 """
 
 from __future__ import annotations
@@ -511,7 +518,7 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
             else:
                 await trainer.run_async(first)
             final.update(trainer.final)
-            client.stop()
+            final.update(await finish_learner(cfg, client, learner))
     finally:
         if proc.poll() is None:
             client.stop()
@@ -519,11 +526,22 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
         log.close()
         final["learner_exit"] = rc
     final["curves"] = str(log.curves())
-    ckpts = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
-    final["checkpoint"] = str(ckpts[-1]) if ckpts else None
     final["metrics"] = log.rows[-1] if log.rows else {}
     write_json(run_dir / "train_summary.json", final)
     return final
+
+
+async def finish_learner(cfg: Config, client: MailboxClient, learner: LearnerProcess) -> dict[str, Any]:
+    """The run ended normally: the learner saves the final model (HF weights of the last step for every sync
+    path, and its checkpoint unless it has one) and exits; waited for up to `train.update_timeout_s`.
+    Returns {"last_weights": the HF directory, "checkpoint": the checkpoint directory}."""
+    client.stop(final=True)
+    try:
+        done = await asyncio.to_thread(client.wait_final, cfg.train.update_timeout_s)
+    except MailboxError as e:
+        raise TrainingError(f"the learner did not save the final model: {e}\n--- learner.log tail ---\n"
+                            f"{learner.log_tail()}") from e
+    return {"last_weights": done.get("weights_dir"), "checkpoint": done.get("checkpoint")}
 
 
 def resolve_learner_defaults(cfg: Config) -> None:
