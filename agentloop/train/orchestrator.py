@@ -194,7 +194,8 @@ class Trainer:
         self.log = log
         self.cursor = cursor
         self.val_samples = val_samples
-        self.staleness = Staleness(cfg.train.max_staleness)
+        # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
+        self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.weights_dir: Path | None = None
         """The newest HF weights on disk (what a stale server is resynced to)."""
         self.final: dict[str, Any] = {}
