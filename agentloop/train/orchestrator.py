@@ -508,7 +508,8 @@ async def train_async(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if first > 1:
                 await trainer.resume_weights(first)
                 print(f"agentloop train: resumed at step {first} (data position {cursor.position}); "
-                      f"{cursor.pending_retries} prompts to give out again", file=sys.stderr, flush=True)
+                      f"{cursor.pending_retries} prompts to give out again; servers loaded {trainer.weights_dir}",
+                      file=sys.stderr, flush=True)
             if first == 1 and val_samples:
                 row = {"step": 0.0, **await trainer.validate(0)}
                 log.log(row)
