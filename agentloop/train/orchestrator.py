@@ -11,6 +11,7 @@ Map:
     rollout_metrics    a step's records -> train/... or val/... numbers
     version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
+    finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
 Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer), LearnerProcess
 (learner_process.py), DataCursor (cursor.py), the mailbox (mailbox.py), StepLog and the progress line
 (agentloop.report), the group stream (agentloop.rollout.engine.GroupStream).
