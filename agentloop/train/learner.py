@@ -898,7 +898,8 @@ def serve(
                                                                        else f"weights in {wdir}"))
                     box.write_done(step, wdir, metrics, pushed=syncer is not None)
                     box.prune_weights(cfg.keep_weights, protect=_checkpoint_steps(paths, ckpt_step))
-                    box.update_info(status="ready", next_step=step + 1, last_step=step)
+                    # next_step and data_position together say where the run stands (wait_caught_up)
+                    box.update_info(status="ready", next_step=step + 1, last_step=step, data_position=data_position)
             except Exception as e:
                 if box is not None:
                     box.write_failed(step, e)

@@ -44,9 +44,10 @@ urls)` writes sync.go -> learner pushes the weights to `urls` -> update.done (`p
 
 Resume: a restarted learner loads its newest complete checkpoint (step C), deletes update.* and
 weights of steps > C, writes weights/step-C from the checkpoint if they are missing, and reports
-next_step = C + 1 in learner.json before waiting for that step's batch. The orchestrator reads
-`wait_ready()`'s answer and (re)submits batches from next_step on; batches already in the mailbox are
-reused. Pruning (`learner.keep_weights`) never deletes the weights of the newest complete checkpoint
+next_step = C + 1 in learner.json. It then trains the batches already in the mailbox (submitted before
+the stop) as they are, reporting next_step and the data_position of each in learner.json; the
+orchestrator's `wait_caught_up()` returns once none is left, and the run goes on from that next_step
+(a batch submitted again is a no-op). Pruning (`learner.keep_weights`) never deletes the weights of the newest complete checkpoint
 or of one being written, so a resume normally finds them in place.
 
 End of a run: `stop(final=True)` -> the learner saves what the last step lacks (HF weights for
@@ -267,6 +268,29 @@ class MailboxClient:
             self.check_alive()
             if time.monotonic() > deadline:
                 raise MailboxTimeout(f"learner not ready after {timeout_s}s (learner.json: {info})")
+            time.sleep(self.poll_s)
+
+    def wait_caught_up(self, step_timeout_s: float) -> dict[str, Any]:
+        """After `wait_ready`: wait until the learner has trained every batch already in the mailbox and return
+        learner.json. A resumed learner trains the batches submitted before the stop first (from its
+        checkpoint, as they are); once none is left, `next_step` and `data_position` (the state stored with
+        the last batch trained) say where the run stands, and the newest weights are the only ones a caller
+        needs. Each step may take `step_timeout_s`."""
+        deadline, seen = time.monotonic() + step_timeout_s, None
+        while True:
+            info = self.learner_info() or {}
+            step = info.get("next_step")
+            if info.get("status") == "ready" and isinstance(step, int) and not self.paths.ready(step).exists():
+                return info
+            if step != seen:
+                deadline, seen = time.monotonic() + step_timeout_s, step
+            if isinstance(step, int) and (failed := _read_json(self.paths.failed(step))) is not None:
+                raise LearnerFailedError(f"learner failed step {step}: {failed.get('error')}",
+                                         step=step, traceback=failed.get("traceback", ""))
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise MailboxTimeout(f"the learner did not train the submitted batch of step {step} within "
+                                     f"{step_timeout_s}s")
             time.sleep(self.poll_s)
 
     def wait_update(self, step: int, timeout_s: float) -> UpdateResult:

@@ -211,8 +211,9 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
     # the last resume: where it started, and that the learner continued its own state
     resumed_step = info["resumed_step"]
     assert resumed_step in (3, 4) and info["status"] == "stopped" and info.get("last_step") == STEPS
-    if resumed_step < STEPS:  # killed before step 4's checkpoint: the submitted batch is trained as is
-        assert f"resumed at step {resumed_step + 1}" in logs[2].read_text()
+    assert f"resumed at step {STEPS + 1} " in logs[2].read_text()
+    if resumed_step < STEPS:  # killed before step 4's checkpoint: the learner trains the submitted batch as is
+        assert f"from checkpoint {resumed_step} and trained the 1 batch(es) submitted" in logs[2].read_text()
     assert [read_meta(p).step for p in list_checkpoints(ckpts)] == [STEPS - 1, STEPS]
     last = read_meta(list_checkpoints(ckpts)[-1])
     assert last.data_position == {"next": STEPS * PROMPTS, "requeue": []}
@@ -254,10 +255,12 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
 def test_killed_at_step_9_resumes_at_6_with_the_readme_command(sglang_server, tiny_model_path, tmp_path):
     """The defaults a user gets (async, η = 1; `learner.keep_weights=3`), checkpoints every 5 steps: SIGKILL
     once step 9's batch is submitted (steps 6-8 trained past checkpoint 5), then the README's resume,
-    `agentloop train --run-dir X` with the same overrides. It resumes at step 6 with the servers on
-    weights/step-5 (pruned before the fix: the resume failed), metrics.jsonl ends with one row per step,
-    every data position is trained once (or was in flight at the end), and the summary names the final
-    HF weights and checkpoint, which transformers loads."""
+    `agentloop train --run-dir X` with the same overrides. The weights of checkpoint 5 are still there
+    (pruned before the fix: the resume failed on them); the learner resumes at step 6 from checkpoint 5
+    and trains the submitted batches 6-9 as they are, then the run goes on at step 10 with the servers on
+    weights/step-9; metrics.jsonl ends with one row per step, every data position is trained once (or was
+    in flight at the end), and the summary names the final HF weights and checkpoint, which transformers
+    loads."""
     url, steps, B = sglang_server.url, 10, 2
     run_dir = tmp_path / "run"
     plugin = tmp_path / "reward.py"
@@ -293,8 +296,10 @@ def test_killed_at_step_9_resumes_at_6_with_the_readme_command(sglang_server, ti
         _stop_all(procs, learner_pids, url, tiny_model_path)
     print(f"killed at {t_kill:.1f}s, total {time.monotonic() - t0:.1f}s")
     out = logs[1].read_text()
-    assert "resumed at step 6 (data position" in out and f"servers loaded {run_dir / 'weights' / 'step-000005'}" in out
-    assert "resumed from checkpoint" in (run_dir / "learner.log").read_text()
+    assert "resumed at step 10 (data position" in out and f"servers loaded {run_dir / 'weights' / 'step-000009'}" in out
+    assert "the learner resumed from checkpoint 5 and trained the 4 batch(es) submitted before the stop" in out
+    assert f"ready for step 6 (resumed from checkpoint {run_dir / 'checkpoints' / 'step-000005'})" in \
+        (run_dir / "learner.log").read_text()
 
     rows = [json.loads(ln) for ln in _lines(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [float(s) for s in range(1, steps + 1)]

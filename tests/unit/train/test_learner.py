@@ -898,6 +898,24 @@ def test_pruning_never_deletes_the_newest_checkpoints_weights(tmp_path):
     assert [d.name for d in box.paths.weights_root.iterdir()] == ["step-000009"]
 
 
+def test_wait_caught_up_waits_for_the_batches_already_submitted(tmp_path):
+    client = MailboxClient(tmp_path, heartbeat_timeout_s=30, poll_s=0.02)
+    box = LearnerMailbox(tmp_path)
+    client.submit(3, make_records(3), data_position={"next": 6})
+    box.update_info(status="ready", next_step=3, data_position={"next": 4})  # resumed at 3, batch 3 waiting
+    with pytest.raises(MailboxTimeout, match="submitted batch of step 3"):
+        client.wait_caught_up(0.2)
+    box.update_info(status="ready", next_step=4, data_position={"next": 6})
+    assert client.wait_caught_up(1.0)["data_position"] == {"next": 6}
+    client.submit(4, make_records(4))
+    try:
+        raise ValueError("bad batch")
+    except ValueError as e:
+        box.write_failed(4, e)
+    with pytest.raises(LearnerFailedError, match="ValueError: bad batch"):
+        client.wait_caught_up(5.0)
+
+
 def test_final_save_plan():
     """The last step N needs an HF directory (tensor|nccl never wrote one) and a checkpoint (unless the newest
     complete one is of step N); a learner that trained nothing writes nothing."""
@@ -935,10 +953,14 @@ def test_resume_weights_survive_pruning_and_a_final_stop_saves_the_last_step(tin
     proc = _launch(run, tiny_model, overrides)
     try:
         client = MailboxClient(run, process=proc, poll_s=0.05)
-        assert client.wait_ready(120, since=t1)["next_step"] == 3
+        assert client.wait_ready(120, since=t1)["resumed_step"] == 2
         assert_weights_close(tmp_path / "w2", run / "weights" / "step-000002", atol=0)  # from checkpoint 2
         assert "weights of checkpoint step 2 were missing" in (run / "learner.log").read_text()
-        client.wait_update(3, 120)  # step 3's batch is still in the mailbox: trained again
+        # step 3's batch is still in the mailbox: trained again, and learner.json then pairs next_step 4 with
+        # the data position stored with that batch
+        info = client.wait_caught_up(120)
+        assert (info["next_step"], info["data_position"]) == (4, {"next": 6, "requeue": []})
+        client.wait_update(3, 1)
         os.replace(run / "weights" / "step-000003", tmp_path / "w3")  # as weight_sync tensor|nccl leave it
         client.stop(final=True)
         final = client.wait_final(120)
