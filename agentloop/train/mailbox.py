@@ -47,8 +47,8 @@ weights of steps > C, writes weights/step-C from the checkpoint if they are miss
 next_step = C + 1 in learner.json. It then trains the batches already in the mailbox (submitted before
 the stop) as they are, reporting next_step and the data_position of each in learner.json; the
 orchestrator's `wait_caught_up()` returns once none is left, and the run goes on from that next_step
-(a batch submitted again is a no-op). Pruning (`learner.keep_weights`) never deletes the weights of the newest complete checkpoint
-or of one being written, so a resume normally finds them in place.
+(a batch submitted again is a no-op). Pruning (`learner.keep_weights`) never deletes the weights of
+the newest complete checkpoint or of one being written, so a resume normally finds them in place.
 
 End of a run: `stop(final=True)` -> the learner saves what the last step lacks (HF weights for
 tensor|nccl, a checkpoint unless that step has one) -> final.json -> `wait_final` returns it.
@@ -391,9 +391,9 @@ class LearnerMailbox:
 
     def write_final(self, step: int, weights_dir: Path | None, checkpoint: Path | None) -> None:
         """The final model is saved: its HF directory and checkpoint (after a final STOP)."""
-        atomic_write_json(self.paths.final, {"step": step, "weights_dir": None if weights_dir is None else str(weights_dir),
-                                             "checkpoint": None if checkpoint is None else str(checkpoint),
-                                             "time": time.time()})
+        atomic_write_json(self.paths.final, {
+            "step": step, "weights_dir": None if weights_dir is None else str(weights_dir),
+            "checkpoint": None if checkpoint is None else str(checkpoint), "time": time.time()})
 
     def batch_ready(self, step: int) -> bool:
         return self.paths.ready(step).exists()

@@ -121,9 +121,10 @@ def test_eta0_resumed_async_trains_the_batches_of_a_resumed_sync_run(sglang_serv
     run_train(_cfg(url, tiny_model_path, base, plugin, *common, "train.schedule=sync"))
     asyncio.run(_load(url, str(tiny_model_path)))
     # as if killed right after checkpoint 2: nothing of steps 3 and 4 is left
-    for path in [base / "mailbox" / f"step-{s:06d}" for s in (3, 4)] + [base / "weights" / f"step-{s:06d}"
-                                                                        for s in (3, 4)] + [base / "checkpoints" / "step-000004"]:
-        shutil.rmtree(path)
+    for s in (3, 4):
+        shutil.rmtree(base / "mailbox" / f"step-{s:06d}")
+        shutil.rmtree(base / "weights" / f"step-{s:06d}")
+    shutil.rmtree(base / "checkpoints" / "step-000004")
     for s in (3, 4):
         (base / "rollouts" / f"step-{s:06d}.jsonl").unlink()
     runs = {}

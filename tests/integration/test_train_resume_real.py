@@ -267,7 +267,8 @@ def test_killed_at_step_9_resumes_at_6_with_the_readme_command(sglang_server, ti
     plugin.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
     overrides = [f"train.steps={steps}", f"train.prompts_per_step={B}", "rollout.n_samples=2", "train.val_every=0",
-                 "sampling.max_new_tokens=6", "learner.lr=0.001", "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
+                 "sampling.max_new_tokens=6", "learner.lr=0.001",
+                 "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
                  "learner.checkpoint_every=5", "train.tensorboard=false"]
     cmd = [sys.executable, "-m", "agentloop.cli", "train", "--server-url", url, "--model", str(tiny_model_path),
            "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir), *overrides]
@@ -277,8 +278,8 @@ def test_killed_at_step_9_resumes_at_6_with_the_readme_command(sglang_server, ti
     learner_pids: list[int] = []
     t0 = time.monotonic()
     try:
-        learner_pids.append(_run_until(cmd, env, logs[0], procs, lambda: (mailbox / "step-000009" / "batch.ready").exists(),
-                                       "step 9's batch"))
+        learner_pids.append(_run_until(cmd, env, logs[0], procs,
+                                       lambda: (mailbox / "step-000009" / "batch.ready").exists(), "step 9's batch"))
         t_kill = time.monotonic() - t0
         assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-000005"]
         assert (run_dir / "weights" / "step-000005").is_dir(), "the newest checkpoint's weights were pruned"
