@@ -252,7 +252,7 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
 @pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_killed_at_step_9_resumes_at_6_with_the_readme_command(sglang_server, tiny_model_path, tmp_path):
+def test_killed_at_step_9_resumes_from_checkpoint_5_with_the_readme_command(sglang_server, tiny_model_path, tmp_path):
     """The defaults a user gets (async, η = 1; `learner.keep_weights=3`), checkpoints every 5 steps: SIGKILL
     once step 9's batch is submitted (steps 6-8 trained past checkpoint 5), then the README's resume,
     `agentloop train --run-dir X` with the same overrides. The weights of checkpoint 5 are still there
