@@ -241,10 +241,12 @@ class TrainConfig(Section):
     rule, the learner trains as soon as `prompts_per_step` eligible groups are ready, and `max_staleness`
     bounds how old a trained token's weights may be (0 reproduces the synchronous schedule exactly).
     sync: the plain loop (roll out a step, train, push), kept as the reference the async one is tested against."""
-    max_staleness: int = Field(default=0, ge=0)
+    max_staleness: int = Field(default=1, ge=0)
     """η: a token trained at step s was sampled by weights at most η versions older than the weights step s
-    starts from (version s-1). 0: synchronous, on-policy. Groups that grow too stale are cancelled early
-    (counted) and their prompts given out again."""
+    starts from (version s-1). 1 (default): one batch more in flight, so rollouts go on while the learner
+    trains, and the learner corrects for the lag (decoupled PPO with the recomputed proximal policy,
+    `algo.tis_cap`). 0: synchronous, on-policy (the same run as schedule=sync). Groups that grow too
+    stale are cancelled early (counted) and their prompts given out again."""
     interrupt: Literal["abort", "retract", "in_place"] = "abort"
     """How in-flight generation meets a weight update (SGLang's pause modes), with every weight sync (disk,
     tensor, nccl; agentloop/interrupt.py). abort: requests return their partial tokens and are continued
@@ -261,7 +263,8 @@ class TrainConfig(Section):
     learner_ready_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline for the learner process to load its model and report ready."""
     update_timeout_s: float = Field(default=3600.0, gt=0)
-    """Deadline for one learner update (from batch submitted to weights saved)."""
+    """Deadline for one learner update (from batch submitted to weights saved), and for the learner's
+    final save at the end of the run (HF weights and checkpoint of the last step)."""
     tensorboard: bool = True
     """Also write TensorBoard event files (when the tensorboard package is installed)."""
     wandb_project: str | None = None

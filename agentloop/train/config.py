@@ -189,12 +189,13 @@ class LearnerConfig(_Section):
     """Where the learner runs. auto: cuda if a GPU is visible, else cpu."""
     checkpoint_every: int | None = Field(default=None, ge=1)
     """Save a resumable checkpoint (model, optimizer, step, data position, RNG) every N steps. Left unset,
-    `agentloop train` picks max(1, min(10, train.steps // 4)); an explicit null means never: the learner
-    then writes no checkpoint at all and a killed run starts over."""
+    `agentloop train` picks max(1, min(10, train.steps // 4)); an explicit null means no periodic
+    checkpoint: a killed run starts over. Either way a run that ends normally checkpoints its last step."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """Complete checkpoints kept; older ones are deleted after a new one is complete."""
     keep_weights: int | None = Field(default=3, ge=1)
-    """HF weight directories (weights/step-N) kept by the mailbox learner; None = keep all."""
+    """HF weight directories (weights/step-N) kept by the mailbox learner; None = keep all. Those of the
+    newest checkpoint (and of one still being written) are kept as well, so a resume can load them."""
     seed: int = 0
     """Seed of torch/numpy/python RNGs (each rank adds its rank)."""
     gradient_checkpointing: bool = False
@@ -210,8 +211,8 @@ class LearnerConfig(_Section):
     on the learner's host, able to see its GPU). nccl: rank 0 broadcasts to the servers over a NCCL group
     (/init_weights_update_group + /update_weights_from_distributed; servers on any GPU the learner can
     reach over TCP). tensor and nccl need a GPU learner and push while the orchestrator holds the servers
-    paused; they save no HF weights while training (a learner that resumes from checkpoint C writes
-    weights/step-C before it reports ready, so the orchestrator can reload its servers)."""
+    paused; they save no HF weights while training, only weights/step-N of the last step at the end
+    of the run (like every path) and weights/step-C of the checkpoint a learner resumes from."""
     weight_sync_bucket_mb: float = Field(default=512.0, gt=0)
     """tensor/nccl: MiB of weights per server call (one flattened bucket; rank 0 holds one bucket of
     gathered weights at a time). A tensor larger than this goes alone."""

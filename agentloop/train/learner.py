@@ -17,7 +17,8 @@ single-rank process group). `learner_command(...)` builds either command line.
     --set        `algo.key=value` / `learner.key=value` overrides, values parsed as YAML
     --no-resume  start from --model even if RUN_DIR/checkpoints holds a checkpoint
 
-The process trains mailbox steps in order until RUN_DIR/mailbox/STOP appears (exit 0), a
+The process trains mailbox steps in order until RUN_DIR/mailbox/STOP appears (exit 0; a final STOP,
+the run's normal end, first saves the last step's HF weights and checkpoint where missing), a
 step fails (update.failed written, exit 1) or no batch arrives within
 `learner.batch_timeout_s` (exit 2). The resolved config is written to
 RUN_DIR/learner_config.json.
@@ -35,6 +36,7 @@ Map:
     Learner                model + optimizer (+ reference); compute_logprobs, train_step, save_hf,
                            save_checkpoint (sync or background), poll/wait_checkpoint, load_checkpoint, close
     serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains and logs)
+    plan_final_save        what the end of a run still writes (pure); save_final writes it, for every sync path
     log_to_stdout          the learner process's log handler (flushed line by line)
     _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
     main                   the command line (learner_process.learner_command builds it)
@@ -77,6 +79,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +91,16 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_TIMEOUT",
+    "FinalPlan",
     "Learner",
     "init_distributed",
     "load_sections",
     "log_to_stdout",
     "lr_at",
     "main",
+    "plan_final_save",
     "resolve_device",
+    "save_final",
     "serve",
 ]
 
@@ -811,11 +817,16 @@ def serve(
         if ck is not None:
             meta = learner.load_checkpoint(ck)
             data_position, resumed_step = meta.data_position, meta.step
-            if syncer is not None and not _bcast(paths.weights(meta.step).is_dir() if rank == 0 else None, dev):
-                # Pushing paths write no HF weights while training; the orchestrator reloads its servers
-                # from weights/step-C after a resume, so they are written now, once.
+            if not _bcast(paths.weights(meta.step).is_dir() if rank == 0 else None, dev):
+                # The orchestrator reloads its servers from weights/step-C after a resume. Pushing paths write
+                # no HF weights while training, and weights pruned by an older learner are gone: any sync
+                # path, they are written now, once, from the checkpoint just loaded.
                 learner.save_hf(paths.weights(meta.step))
+                if rank == 0:
+                    logger.info("weights of checkpoint step %d were missing: written to %s", meta.step,
+                                paths.weights(meta.step))
         next_step = learner.step + 1
+        ckpt_step = resumed_step  # the newest checkpoint asked for (it may still be written in the background)
         if box is not None:
             box.clear_after(learner.step)
             box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
@@ -834,8 +845,8 @@ def serve(
                     except Exception as e:  # unreadable batch: every rank stops, the orchestrator is told
                         box.write_failed(next_step, e)
                         msg = ("bad_batch", f"{type(e).__name__}: {e}")
-                elif box.stop_requested():
-                    msg = ("stop",)
+                elif (stop := box.stop_request()) is not None:
+                    msg = ("stop", bool(stop.get("final")))
                 elif time.monotonic() - waited_since > cfg.batch_timeout_s:
                     msg = ("timeout",)
                 else:
@@ -851,7 +862,14 @@ def serve(
                 continue
             if msg[0] == "stop":
                 if rank == 0:
-                    logger.info("STOP received before step %d: exiting", next_step)
+                    logger.info("STOP received before step %d: %s", next_step,
+                                "saving the final model" if msg[1] else "exiting")
+                if msg[1]:  # the run ended normally: the last step reaches disk, whatever the sync path
+                    weights_dir, ck_dir = save_final(learner, paths, data_position, dev)
+                    if box is not None:
+                        box.write_final(learner.step, weights_dir, ck_dir)
+                        logger.info("final model of step %d: HF weights %s, checkpoint %s", learner.step,
+                                    weights_dir, ck_dir)
                 break
             if msg[0] == "bad_batch":
                 raise MailboxError(f"step {next_step}: unreadable batch: {msg[1]}")
@@ -888,6 +906,7 @@ def serve(
                                                                    and learner.device_type == "cuda")
                     ck_dir = learner.save_checkpoint(paths.checkpoints, data_position=data_position,
                                                      background=background)
+                    ckpt_step = step
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
                     if rank == 0:
                         logger.info("step %d: checkpoint saved to %s", step, ck_dir)
@@ -898,8 +917,9 @@ def serve(
                                                                        "pushed to the servers" if syncer is not None
                                                                        else f"weights in {wdir}"))
                     box.write_done(step, wdir, metrics, pushed=syncer is not None)
-                    box.prune_weights(cfg.keep_weights)
-                    box.update_info(status="ready", next_step=step + 1, last_step=step)
+                    box.prune_weights(cfg.keep_weights, protect=_checkpoint_steps(paths, ckpt_step))
+                    # next_step and data_position together say where the run stands (wait_caught_up)
+                    box.update_info(status="ready", next_step=step + 1, last_step=step, data_position=data_position)
             except Exception as e:
                 if box is not None:
                     box.write_failed(step, e)
@@ -919,6 +939,59 @@ def serve(
         learner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _checkpoint_steps(paths: Any, requested: int | None) -> set[int]:
+    """Steps whose weights/step-N a resume may need: the newest complete checkpoint's and the newest one
+    asked for (still being written in the background, or complete)."""
+    from agentloop.train.checkpoint import latest_checkpoint, read_meta
+
+    ck = latest_checkpoint(paths.checkpoints)
+    return {s for s in (read_meta(ck).step if ck is not None else None, requested) if s is not None}
+
+
+@dataclass(frozen=True)
+class FinalPlan:
+    """What the end of a run still has to write (`plan_final_save`)."""
+
+    save_weights: bool
+    """Write weights/step-N (HF) of the last trained step N."""
+    save_checkpoint: bool
+    """Write a resumable checkpoint of step N."""
+
+
+def plan_final_save(step: int, weights_on_disk: bool, checkpoint_step: int | None) -> FinalPlan:
+    """At the end of a run the last trained step `step` must be on disk twice: as an HF directory
+    (weights/step-N: disk sync wrote it at the step, tensor|nccl never do while training) and as a
+    resumable checkpoint (unless the newest complete one, `checkpoint_step`, is of that step). Nothing
+    trained (step 0, a learner that never got a batch): nothing to write."""
+    if step <= 0:
+        return FinalPlan(save_weights=False, save_checkpoint=False)
+    return FinalPlan(save_weights=not weights_on_disk, save_checkpoint=checkpoint_step != step)
+
+
+def save_final(learner: Learner, paths: Any, data_position: Any, dev: Any) -> tuple[Path | None, Path | None]:
+    """Collective, the same for every sync path: after a final STOP, write what `plan_final_save` says the
+    last step lacks; returns (its HF directory, its checkpoint), (None, None) if nothing was trained.
+    `data_position` is the one stored with the last step's batch, as a periodic checkpoint would store it."""
+    from agentloop.train.checkpoint import latest_checkpoint, read_meta
+
+    if learner.step <= 0:
+        return None, None
+    learner.wait_checkpoint()  # a background checkpoint of the last step counts once it is in place
+    facts = None
+    if learner.rank == 0:
+        ck = latest_checkpoint(paths.checkpoints)
+        facts = (paths.weights(learner.step).is_dir(), read_meta(ck).step if ck is not None else None,
+                 None if ck is None else str(ck))
+    weights_on_disk, ck_step, ck_path = _bcast(facts, dev)
+    plan = plan_final_save(learner.step, weights_on_disk, ck_step)
+    weights_dir = paths.weights(learner.step)
+    if plan.save_weights:
+        learner.save_hf(weights_dir)
+    if plan.save_checkpoint:
+        return weights_dir, learner.save_checkpoint(paths.checkpoints, data_position=data_position, background=False)
+    return weights_dir, Path(ck_path)
 
 
 def _step_summary(metrics: dict[str, float], seconds: float, weights: str) -> str:

@@ -15,12 +15,18 @@ Both sides only need a shared filesystem, so they may run on different machines.
     RUN_DIR/mailbox/step-000001/update.done    learner: {"step", "weights_dir" (null when the learner
                                                pushed the weights itself), "pushed", "metrics", "time"}
     RUN_DIR/mailbox/step-000001/update.failed  learner: {"step", "error", "traceback", "time"}
-    RUN_DIR/mailbox/STOP                       orchestrator: the learner exits after its current step
-                                               (a STOP older than the learner process is removed)
+    RUN_DIR/mailbox/STOP                       orchestrator: {"time", "final"}: the learner exits after
+                                               its current step; final (the run ended normally): it
+                                               first saves the final model (a STOP older than the
+                                               learner process is removed)
+    RUN_DIR/mailbox/final.json                 learner, after a final STOP: {"step", "weights_dir",
+                                               "checkpoint", "time"}: the HF directory and the checkpoint
+                                               of the last trained step (a stale one goes at start)
     RUN_DIR/weights/step-000001/               learner: HF weights after step 1 (for SGLang's
                                                /update_weights_from_disk); with weight_sync tensor|nccl
                                                only weights/step-C of the checkpoint a learner resumed
-                                               from (written before it reports ready)
+                                               from (written before it reports ready, whatever the sync
+                                               path, when missing) and those of the final step
 
 Every file is written to a temporary name and renamed, so a reader never sees half a file.
 Steps are consumed in order, one batch per step; `data_position` is opaque to the learner: it
@@ -37,9 +43,15 @@ urls)` writes sync.go -> learner pushes the weights to `urls` -> update.done (`p
 `wait_update` returns -> orchestrator resumes the servers (in a finally, also on failure).
 
 Resume: a restarted learner loads its newest complete checkpoint (step C), deletes update.* and
-weights of steps > C, and reports next_step = C + 1 in learner.json before waiting for that
-step's batch. The orchestrator reads `wait_ready()`'s answer and (re)submits batches from
-next_step on; batches already in the mailbox are reused.
+weights of steps > C, writes weights/step-C from the checkpoint if they are missing, and reports
+next_step = C + 1 in learner.json. It then trains the batches already in the mailbox (submitted before
+the stop) as they are, reporting next_step and the data_position of each in learner.json; the
+orchestrator's `wait_caught_up()` returns once none is left, and the run goes on from that next_step
+(a batch submitted again is a no-op). Pruning (`learner.keep_weights`) never deletes the weights of
+the newest complete checkpoint or of one being written, so a resume normally finds them in place.
+
+End of a run: `stop(final=True)` -> the learner saves what the last step lacks (HF weights for
+tensor|nccl, a checkpoint unless that step has one) -> final.json -> `wait_final` returns it.
 
 Liveness: with a process handle (`process=`) the client checks the learner process itself;
 otherwise it checks that learner.json's heartbeat is younger than `heartbeat_timeout_s`.
@@ -122,6 +134,10 @@ class MailboxPaths:
     def stop(self) -> Path:
         return self.mailbox / "STOP"
 
+    @property
+    def final(self) -> Path:
+        return self.mailbox / "final.json"
+
     def step_dir(self, step: int) -> Path:
         return self.mailbox / f"step-{step:06d}"
 
@@ -194,8 +210,29 @@ class MailboxClient:
                                                    "data_position": data_position, "time": time.time()})
         return d
 
-    def stop(self) -> None:
-        atomic_write_text(self.paths.stop, str(time.time()))
+    def stop(self, *, final: bool = False) -> None:
+        """Tell the learner to exit after its current step; `final` (the run ended normally): after saving
+        the final model (`wait_final` waits for it)."""
+        atomic_write_json(self.paths.stop, {"time": time.time(), "final": final})
+
+    def wait_final(self, timeout_s: float) -> dict[str, Any]:
+        """After `stop(final=True)`: wait for the learner's final.json ({"step", "weights_dir", "checkpoint"});
+        LearnerDiedError if the learner exits without it, MailboxTimeout after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = _read_json(self.paths.final)
+            if done is not None:
+                return done
+            try:
+                self.check_alive()
+            except LearnerDiedError as e:
+                done = _read_json(self.paths.final)  # written just before it exited
+                if done is not None:
+                    return done
+                raise LearnerDiedError(f"the learner exited without saving the final model ({e})") from e
+            if time.monotonic() > deadline:
+                raise MailboxTimeout(f"the learner did not save the final model within {timeout_s}s")
+            time.sleep(self.poll_s)
 
     def learner_info(self) -> dict[str, Any] | None:
         return _read_json(self.paths.learner_info)
@@ -231,6 +268,29 @@ class MailboxClient:
             self.check_alive()
             if time.monotonic() > deadline:
                 raise MailboxTimeout(f"learner not ready after {timeout_s}s (learner.json: {info})")
+            time.sleep(self.poll_s)
+
+    def wait_caught_up(self, step_timeout_s: float) -> dict[str, Any]:
+        """After `wait_ready`: wait until the learner has trained every batch already in the mailbox and return
+        learner.json. A resumed learner trains the batches submitted before the stop first (from its
+        checkpoint, as they are); once none is left, `next_step` and `data_position` (the state stored with
+        the last batch trained) say where the run stands, and the newest weights are the only ones a caller
+        needs. Each step may take `step_timeout_s`."""
+        deadline, seen = time.monotonic() + step_timeout_s, None
+        while True:
+            info = self.learner_info() or {}
+            step = info.get("next_step")
+            if info.get("status") == "ready" and isinstance(step, int) and not self.paths.ready(step).exists():
+                return info
+            if step != seen:
+                deadline, seen = time.monotonic() + step_timeout_s, step
+            if isinstance(step, int) and (failed := _read_json(self.paths.failed(step))) is not None:
+                raise LearnerFailedError(f"learner failed step {step}: {failed.get('error')}",
+                                         step=step, traceback=failed.get("traceback", ""))
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise MailboxTimeout(f"the learner did not train the submitted batch of step {step} within "
+                                     f"{step_timeout_s}s")
             time.sleep(self.poll_s)
 
     def wait_update(self, step: int, timeout_s: float) -> UpdateResult:
@@ -287,6 +347,7 @@ class LearnerMailbox:
                 self.paths.stop.unlink()
         except FileNotFoundError:
             pass
+        self.paths.final.unlink(missing_ok=True)  # an earlier learner's: this one writes its own at the end
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -316,6 +377,25 @@ class LearnerMailbox:
     # protocol --------------------------------------------------------------------------------
     def stop_requested(self) -> bool:
         return self.paths.stop.exists()
+
+    def stop_request(self) -> dict[str, Any] | None:
+        """The STOP request ({"final": bool, ...}) or None. A STOP that is not JSON (an older orchestrator's
+        timestamp) is a plain, non-final one."""
+        try:
+            text = self.paths.stop.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            req = json.loads(text)
+        except ValueError:
+            req = None
+        return req if isinstance(req, dict) else {"final": False}
+
+    def write_final(self, step: int, weights_dir: Path | None, checkpoint: Path | None) -> None:
+        """The final model is saved: its HF directory and checkpoint (after a final STOP)."""
+        atomic_write_json(self.paths.final, {
+            "step": step, "weights_dir": None if weights_dir is None else str(weights_dir),
+            "checkpoint": None if checkpoint is None else str(checkpoint), "time": time.time()})
 
     def batch_ready(self, step: int) -> bool:
         return self.paths.ready(step).exists()
@@ -376,14 +456,17 @@ class LearnerMailbox:
             if s > step:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def prune_weights(self, keep: int | None) -> None:
-        """Delete all but the newest `keep` weights/step-N directories."""
+    def prune_weights(self, keep: int | None, *, protect: Iterable[int] = ()) -> None:
+        """Delete all but the newest `keep` weights/step-N directories, never those of the steps in `protect`
+        (the newest checkpoint's: a resume loads them into the servers)."""
         if keep is None:
             return
         dirs = sorted((d for d in self.paths.weights_root.glob("step-*") if d.name[5:].isdigit()),
                       key=lambda d: int(d.name[5:]))
+        keep_steps = set(protect)
         for d in dirs[:-keep]:
-            shutil.rmtree(d, ignore_errors=True)
+            if int(d.name[5:]) not in keep_steps:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 __all__ = [

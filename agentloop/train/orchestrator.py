@@ -11,6 +11,7 @@ Map:
     rollout_metrics    a step's records -> train/... or val/... numbers
     version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
+    finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
 Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer), LearnerProcess
 (learner_process.py), DataCursor (cursor.py), the mailbox (mailbox.py), StepLog and the progress line
 (agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
@@ -26,17 +27,25 @@ batch), cancelled (too stale, or in flight when the run ends; counted, the promp
 unless the run is ending), and every episode of a trained group as a trained record, an error
 record or an aborted record (both counted, neither trained).
 
-Resume: the learner resumes from its last checkpoint (step C) and reports `next_step` = C+1 and the
-data state stored with it: the next new position and the positions handed out but not trained,
-which are given out again first, so every position is trained exactly once, and the fingerprint of the
-rows they index (other rows are an error unless forced). The config of a resumed run is its saved
-config.yaml plus the values given now (agentloop.train.resume, applied by the CLI). The servers load
-weights/step-C before rolling out (missing weights are an error). After a kill of the synchronous
-schedule, a step whose batch was already submitted keeps its rollouts, the partial rollouts file of
-the step in flight is replaced, and metrics.jsonl keeps one line per step. The learner gets SIGTERM
+Resume: the learner resumes from its last checkpoint (step C) and trains the batches submitted before
+the stop (steps C+1..k, as they are); the run goes on at step k+1 (`wait_caught_up`) with the data
+state stored with batch k (C's when k = C): the next new position and the positions handed out but
+not trained, which are given out again first, so every position is trained exactly once, and the
+fingerprint of the rows they index (other rows are an error unless forced). The config of a resumed run
+is its saved config.yaml plus the values given now (agentloop.train.resume, applied by the CLI). The servers
+load weights/step-k before rolling out (the newest; weights/step-C are kept from pruning and written
+from the checkpoint when missing; missing weights are an error). Admission counts from version k, so
+the run keeps the groups in flight a fresh run keeps (η = 0: the synchronous schedule). A step whose
+batch was already submitted keeps its rollouts (the batch the learner trained), the partial rollouts
+file of a step in flight is replaced, and metrics.jsonl keeps one line per step. The learner gets SIGTERM
 when this process dies, even by SIGKILL, so it never outlives the run to race a resumed one.
 Ctrl-C: the learner gets STOP (then SIGTERM/SIGKILL after a deadline), servers are stopped by
 `serving`, and the last checkpoint stays usable.
+
+End of a run (`finish_learner`): the learner gets a final STOP and saves the last step's HF weights
+(weights/step-N; tensor|nccl write them only now) and a checkpoint of it (unless that step has one),
+then exits; the run waits for that (`train.update_timeout_s`) before it is done, and the summary
+names both directories.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from agentloop.models.loading import load_tokenizer_for
 from agentloop.records import EpisodeRecord, Sample, read_records
 from agentloop.report.progress import emit, fmt_fields, progress_line
 from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
-from agentloop.rollout.engine import GroupOutcome, RolloutEngine, RolloutResult
+from agentloop.rollout.engine import GroupOutcome, RolloutEngine
 from agentloop.rollout.scorer import Scorer
 from agentloop.server_manager import ServerManager, parse_version
 from agentloop.tools.sandbox import require_isolation
@@ -189,7 +198,8 @@ class Trainer:
         self.log = log
         self.cursor = cursor
         self.val_samples = val_samples
-        self.staleness = Staleness(cfg.train.max_staleness)
+        # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
+        self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
         self._cache_seen = (0.0, 0.0)  # the servers' cached and prompt tokens at the last step's row
         self.weights_dir: Path | None = None
@@ -343,14 +353,9 @@ class Trainer:
             t0 = time.monotonic()
             batch = self.cursor.take(B)
             path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
-            if self.client.paths.ready(step).exists() and path.is_file():
-                # Submitted before a kill: the learner trains that batch (submit is a no-op), so keep
-                # the complete rollouts it was made from rather than sampling the step again.
-                res = RolloutResult(records=list(read_records(path)))
-            else:
-                path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
-                with RecordWriter(path) as writer:  # each record as it ends: a stopped run keeps them
-                    res = await self.engine.run(batch, step=step, on_record=writer)
+            path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
+            with RecordWriter(path) as writer:  # each record as it ends: a stopped run keeps them
+                res = await self.engine.run(batch, step=step, on_record=writer)
             if res.stopped:
                 raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
             t_roll = time.monotonic() - t0
@@ -358,28 +363,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the asynchronous schedule
 
-    async def adopt_submitted(self, first: int) -> int:
-        """After a kill, batches already in the mailbox for steps >= `first` are what the learner trains
-        next: train them as they are, and go on from the data state stored with the last one (its
-        positions handed out but not trained are given out again). Returns the first step to roll out."""
-        step = first
-        while step <= self.cfg.train.steps and self.client.paths.ready(step).exists():
-            t0 = time.monotonic()
-            records = list(read_records(self.client.paths.batch(step)))
-            state = json.loads(self.client.paths.ready(step).read_text()).get("data_position")
-            # force: the rows were checked against the checkpoint's state at start (--force may have let new ones in)
-            self.cursor = DataCursor.from_state(self.cursor.samples, self.cursor.seed, state, force=True)
-            print(f"agentloop train: step {step} was submitted before the run stopped: training it as it is",
-                  file=sys.stderr, flush=True)
-            await self.train_step(step, records, t0, 0.0, {"_data_state": state})
-            step += 1
-        return step
-
     async def run_async(self, first: int) -> None:
         cfg = self.cfg
         B, n = cfg.train.prompts_per_step, cfg.rollout.n_samples
-        steps_left = cfg.train.steps - first + 1
-        admission = Admission(B, cfg.train.max_staleness, total=steps_left * B)
+        # A resumed run counts admissions from the version it starts at, so it keeps exactly the groups in
+        # flight that a fresh run keeps at that point (η = 0: the synchronous schedule again).
+        admission = Admission(B, cfg.train.max_staleness, total=(cfg.train.steps - first + 1) * B,
+                              base_version=first - 1)
         buffer: GroupBuffer[GroupOutcome] = GroupBuffer(self.staleness)
         stream = self.engine.stream()
         changed = asyncio.Event()
@@ -433,9 +423,7 @@ class Trainer:
                 if v is not None and v < floor:
                     stream.cancel(uid, f"stale: started at version {v}, step {next_step} needs >= {floor}")
 
-        first = await self.adopt_submitted(first)
-        state["next_step"], state["version"] = first, first - 1
-        admission.total = (cfg.train.steps - first + 1) * B
+        state["next_step"] = first
         tasks = [asyncio.create_task(produce(), name="producer"), asyncio.create_task(collect(), name="collector")]
         try:
             for step in range(first, cfg.train.steps + 1):
@@ -522,6 +510,14 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
             except AgentLoopError as e:
                 raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
+            try:
+                # A resumed learner first trains the batches submitted before the stop: the run goes on from
+                # where that leaves it (reading next_step any earlier races the learner, pairs it with another
+                # step's data position and loads weights that pruning may be deleting).
+                info = await asyncio.to_thread(client.wait_caught_up, cfg.train.update_timeout_s)
+            except AgentLoopError as e:
+                raise TrainingError(f"learner failed on a batch submitted before the stop: {e}\n"
+                                    f"--- learner.log tail ---\n{learner.log_tail()}") from e
             first = int(info.get("next_step") or 1)
             position = info.get("data_position")
             cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
@@ -538,8 +534,13 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             sm.expect_version(0)
             if first > 1:
                 await trainer.resume_weights(first)
-                print(f"agentloop train: resumed at step {first} (data position {cursor.position}); "
-                      f"{cursor.pending_retries} prompts to give out again", file=sys.stderr, flush=True)
+                ck = info.get("resumed_step")
+                replayed = first - 1 - (ck or 0)
+                print(f"agentloop train: resumed at step {first} (data position {cursor.position}): the learner "
+                      f"resumed from {f'checkpoint {ck}' if ck else 'the initial weights'}"
+                      + (f" and trained the {replayed} batch(es) submitted before the stop" if replayed else "")
+                      + f"; {cursor.pending_retries} prompts to give out again; servers loaded {trainer.weights_dir}",
+                      file=sys.stderr, flush=True)
             if first == 1 and val_samples:
                 row = {"step": 0.0, **await trainer.validate(0)}
                 log.log(row)
@@ -550,7 +551,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             else:
                 await trainer.run_async(first)
             final.update(trainer.final)
-            client.stop()
+            final.update(await finish_learner(cfg, client, learner))
     finally:
         if proc.poll() is None:
             client.stop()
@@ -558,11 +559,22 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
         log.close()
         final["learner_exit"] = rc
     final["curves"] = str(log.curves())
-    ckpts = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
-    final["checkpoint"] = str(ckpts[-1]) if ckpts else None
     final["metrics"] = log.rows[-1] if log.rows else {}
     write_json(run_dir / "train_summary.json", final)
     return final
+
+
+async def finish_learner(cfg: Config, client: MailboxClient, learner: LearnerProcess) -> dict[str, Any]:
+    """The run ended normally: the learner saves the final model (HF weights of the last step for every sync
+    path, and its checkpoint unless it has one) and exits; waited for up to `train.update_timeout_s`.
+    Returns {"last_weights": the HF directory, "checkpoint": the checkpoint directory}."""
+    client.stop(final=True)
+    try:
+        done = await asyncio.to_thread(client.wait_final, cfg.train.update_timeout_s)
+    except MailboxError as e:
+        raise TrainingError(f"the learner did not save the final model: {e}\n--- learner.log tail ---\n"
+                            f"{learner.log_tail()}") from e
+    return {"last_weights": done.get("weights_dir"), "checkpoint": done.get("checkpoint")}
 
 
 def resolve_learner_defaults(cfg: Config) -> None:

@@ -2,8 +2,9 @@
 
     Staleness        the rule: a token trained at step s may come from weights at most η versions older
                      than the weights step s starts from (s - 1); an episode is judged by its oldest token
-    Admission        how many new prompts may start now: at most (η + v + 1)·B − (accepted + running),
-                     v = the version the servers serve, B = prompts per step (AReaL's and SkyRL's rule)
+    Admission        how many new prompts may start now: at most (η + v − v0 + 1)·B − (accepted + running),
+                     v = the version the servers serve, B = prompts per step (AReaL's and SkyRL's rule);
+                     v0 = the version counting began at (0, or C for a run resumed after step C)
     GroupBuffer      finished groups waiting for the learner; the next batch is the B oldest eligible
                      ones; groups that can never be trained any more are handed back to be cancelled
 
@@ -53,11 +54,18 @@ class Admission:
     `accepted` counts groups that finished and were kept (buffered or trained), `running` those in
     flight; cancelled groups count in neither, so their room is given again. `total` caps admissions
     at what the run still needs.
+
+    `base_version`: the version the servers served when counting began. A run resumed after step C
+    starts counting at C with nothing accepted, so the cap counts versions from there: the groups of
+    steps 1..C were trained by an earlier process and are in no counter here. Without it a resumed run
+    would admit C·B groups more than a fresh one for the rest of the run (and η = 0 would stop being
+    the synchronous schedule).
     """
 
     batch_size: int
     max_staleness: int
     total: int | None = None
+    base_version: int = 0
     accepted: int = 0
     running: int = 0
 
@@ -66,10 +74,14 @@ class Admission:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.base_version < 0:
+            raise ValueError(f"base_version must be >= 0, got {self.base_version}")
 
     def allowed(self, version: int) -> int:
         """New prompts that may start while the servers serve `version`."""
-        cap = (self.max_staleness + version + 1) * self.batch_size
+        if version < self.base_version:
+            raise ValueError(f"version {version} is older than the version admission started at ({self.base_version})")
+        cap = (self.max_staleness + version - self.base_version + 1) * self.batch_size
         if self.total is not None:
             cap = min(cap, self.total)
         return max(0, cap - (self.accepted + self.running))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,6 +107,50 @@ def test_eta0_async_equals_the_synchronous_schedule(sglang_server, tiny_model_pa
         torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6, msg=name)
     w0 = _safetensors(tiny_model_path)
     assert max((wa[n].float() - w0[n].float()).abs().max().item() for n in wa if n in w0) > 1e-4, "no update"
+
+
+def test_eta0_resumed_async_trains_the_batches_of_a_resumed_sync_run(sglang_server, tiny_model_path, tmp_path,
+                                                                    restore):
+    """A run stopped after checkpoint 2 of 4, resumed once with each schedule at η = 0: the async run must
+    admit B prompts per version again (before the fix it counted from zero against version 2, admitted the
+    rest of the run at once and cancelled stale groups, whose prompts came back with other seeds), so both
+    train the same records at steps 3 and 4 and end with the same weights."""
+    url, plugin = sglang_server.url, tmp_path / "reward.py"
+    plugin.write_text(REWARD)
+    common = ["train.steps=4", "train.prompts_per_step=2", "rollout.n_samples=2", "algo.tis_cap=null",
+              "learner.checkpoint_every=2", "train.max_staleness=0"]
+    base = tmp_path / "base"
+    run_train(_cfg(url, tiny_model_path, base, plugin, *common, "train.schedule=sync"))
+    asyncio.run(_load(url, str(tiny_model_path)))
+    # as if killed right after checkpoint 2: nothing of steps 3 and 4 is left
+    for s in (3, 4):
+        shutil.rmtree(base / "mailbox" / f"step-{s:06d}")
+        shutil.rmtree(base / "weights" / f"step-{s:06d}")
+    shutil.rmtree(base / "checkpoints" / "step-000004")
+    for s in (3, 4):
+        (base / "rollouts" / f"step-{s:06d}.jsonl").unlink()
+    runs = {}
+    for schedule in ("sync", "async"):
+        shutil.copytree(base, tmp_path / schedule)
+        runs[schedule], final = run_train(_cfg(url, tiny_model_path, tmp_path / schedule, plugin, *common,
+                                               f"train.schedule={schedule}"))
+        asyncio.run(_load(url, str(tiny_model_path)))
+        assert "ready for step 3 (resumed from checkpoint" in (runs[schedule] / "learner.log").read_text()
+        rows = [json.loads(ln) for ln in (runs[schedule] / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1.0, 2.0, 3.0, 4.0], schedule
+    assert final["async"].get("groups_cancelled", 0) == 0
+    for step in (3, 4):
+        a, b = _by_episode(runs["sync"], step), _by_episode(runs["async"], step)
+        assert sorted(a) == sorted(b) and len(a) == 4, f"step {step}: different episodes {sorted(a)} {sorted(b)}"
+        for k in a:
+            ra, rb = a[k], b[k]
+            assert (ra.prompt_ids, ra.response_ids, ra.seed, ra.uid) == \
+                (rb.prompt_ids, rb.response_ids, rb.seed, rb.uid), f"step {step} {k}"
+            assert ra.token_versions == rb.token_versions == [step - 1] * len(ra.response_ids)
+        assert {r.uid for r in a.values()} == {2 * (step - 1), 2 * (step - 1) + 1}  # positions 4..7, in order
+    wa, wb = (_safetensors(runs[s] / "weights" / "step-000004") for s in ("sync", "async"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_eta2_bounds_versions_and_rescoring(sglang_server, tiny_model_path, tmp_path, restore):

@@ -211,8 +211,9 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
     # the last resume: where it started, and that the learner continued its own state
     resumed_step = info["resumed_step"]
     assert resumed_step in (3, 4) and info["status"] == "stopped" and info.get("last_step") == STEPS
-    if resumed_step < STEPS:  # killed before step 4's checkpoint: the submitted batch is trained as is
-        assert f"resumed at step {resumed_step + 1}" in logs[2].read_text()
+    assert f"resumed at step {STEPS + 1} " in logs[2].read_text()
+    if resumed_step < STEPS:  # killed before step 4's checkpoint: the learner trains the submitted batch as is
+        assert f"from checkpoint {resumed_step} and trained the 1 batch(es) submitted" in logs[2].read_text()
     assert [read_meta(p).step for p in list_checkpoints(ckpts)] == [STEPS - 1, STEPS]
     last = read_meta(list_checkpoints(ckpts)[-1])
     cfg = load_config(run_dir / "config.yaml")  # the run's own config: the embedded preset's rows
@@ -247,6 +248,84 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
     # nothing left running
     assert all(p.poll() is not None for p in procs)
     assert not any(_alive(pid) for pid in learner_pids), "a learner process is still running"
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_at_step_9_resumes_from_checkpoint_5_with_the_readme_command(sglang_server, tiny_model_path, tmp_path):
+    """The defaults a user gets (async, η = 1; `learner.keep_weights=3`), checkpoints every 5 steps: SIGKILL
+    once step 9's batch is submitted (steps 6-8 trained past checkpoint 5), then the README's resume,
+    `agentloop train --run-dir X` with the same overrides. The weights of checkpoint 5 are still there
+    (pruned before the fix: the resume failed on them); the learner resumes at step 6 from checkpoint 5
+    and trains the submitted batches 6-9 as they are, then the run goes on at step 10 with the servers on
+    weights/step-9; metrics.jsonl ends with one row per step, every data position is trained once (or was
+    in flight at the end), and the summary names the final HF weights and checkpoint, which transformers
+    loads."""
+    url, steps, B = sglang_server.url, 10, 2
+    run_dir = tmp_path / "run"
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
+    overrides = [f"train.steps={steps}", f"train.prompts_per_step={B}", "rollout.n_samples=2", "train.val_every=0",
+                 "sampling.max_new_tokens=6", "learner.lr=0.001",
+                 "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
+                 "learner.checkpoint_every=5", "train.tensorboard=false"]
+    cmd = [sys.executable, "-m", "agentloop.cli", "train", "--server-url", url, "--model", str(tiny_model_path),
+           "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir), *overrides]
+    mailbox, logs = run_dir / "mailbox", [tmp_path / "run1.log", tmp_path / "run2.log"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+    learner_pids: list[int] = []
+    t0 = time.monotonic()
+    try:
+        learner_pids.append(_run_until(cmd, env, logs[0], procs,
+                                       lambda: (mailbox / "step-000009" / "batch.ready").exists(), "step 9's batch"))
+        t_kill = time.monotonic() - t0
+        assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-000005"]
+        assert (run_dir / "weights" / "step-000005").is_dir(), "the newest checkpoint's weights were pruned"
+        with logs[1].open("wb") as log:
+            second = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append(second)
+        try:
+            rc = second.wait(timeout=500)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"resumed run did not finish:\n{_tail(logs[1])}")
+        assert rc == 0, f"resumed run failed ({rc}):\n{_tail(logs[1])}\n--- learner.log ---\n" \
+                        f"{_tail(run_dir / 'learner.log')}"
+        learner_pids.append(int(json.loads((mailbox / "learner.json").read_text())["pid"]))
+    finally:
+        _stop_all(procs, learner_pids, url, tiny_model_path)
+    print(f"killed at {t_kill:.1f}s, total {time.monotonic() - t0:.1f}s")
+    out = logs[1].read_text()
+    assert "resumed at step 10 (data position" in out and f"servers loaded {run_dir / 'weights' / 'step-000009'}" in out
+    assert "the learner resumed from checkpoint 5 and trained the 4 batch(es) submitted before the stop" in out
+    assert f"ready for step 6 (resumed from checkpoint {run_dir / 'checkpoints' / 'step-000005'})" in \
+        (run_dir / "learner.log").read_text()
+
+    rows = [json.loads(ln) for ln in _lines(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [float(s) for s in range(1, steps + 1)]
+    trained: dict[int, int] = {}
+    for step in range(1, steps + 1):
+        uids = [r.uid for r in read_records(mailbox / f"step-{step:06d}" / "batch.jsonl")]
+        assert len(set(uids)) == B, (step, uids)
+        for u in set(uids):
+            assert u not in trained, f"position {u} trained at steps {trained[u]} and {step}"
+            trained[u] = step
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    missing = set(range(max(trained) + 1)) - set(trained)  # only positions in flight when the run ended
+    assert len(missing) <= summary["async"]["groups_left_at_end"], (sorted(trained), summary["async"])
+
+    # the final model: both directories printed, the HF one complete
+    weights, ckpt = run_dir / "weights" / f"step-{steps:06d}", run_dir / "checkpoints" / f"step-{steps:06d}"
+    assert f"checkpoint:   {ckpt}" in out and f"weights:      {weights}" in out
+    assert read_meta(ckpt).step == steps
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(weights))
+    assert max(abs(a - b) for a, b in zip(_hf_logprobs(weights, FIXED), _hf_logprobs(tiny_model_path, FIXED))) > 1e-4
+    assert AutoModelForCausalLM.from_pretrained(str(weights)).config.vocab_size > 0
+    assert not any(_alive(pid) for pid in learner_pids)
 
 
 def _rec(index: int, repeat: int, reward: float) -> EpisodeRecord:

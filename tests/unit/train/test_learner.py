@@ -17,9 +17,9 @@ import torch
 
 from agentloop.errors import ConfigError
 from agentloop.records import EpisodeRecord
-from agentloop.train.checkpoint import latest_checkpoint, list_checkpoints
+from agentloop.train.checkpoint import latest_checkpoint, list_checkpoints, read_meta
 from agentloop.train.config import AlgoConfig, LearnerConfig
-from agentloop.train.learner import Learner, load_sections, lr_at
+from agentloop.train.learner import FinalPlan, Learner, load_sections, lr_at, plan_final_save
 from agentloop.train.learner_process import learner_command
 from agentloop.train.mailbox import (
     LearnerDiedError,
@@ -886,6 +886,96 @@ def test_background_checkpoint_is_published_while_the_learner_waits(tiny_model, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_pruning_never_deletes_the_newest_checkpoints_weights(tmp_path):
+    box = LearnerMailbox(tmp_path)
+    for s in range(1, 10):
+        (box.paths.weights(s)).mkdir(parents=True)
+    box.prune_weights(3, protect={5})
+    assert sorted(d.name for d in box.paths.weights_root.iterdir()) == [f"step-00000{s}" for s in (5, 7, 8, 9)]
+    box.prune_weights(1, protect=set())
+    assert [d.name for d in box.paths.weights_root.iterdir()] == ["step-000009"]
+
+
+def test_wait_caught_up_waits_for_the_batches_already_submitted(tmp_path):
+    client = MailboxClient(tmp_path, heartbeat_timeout_s=30, poll_s=0.02)
+    box = LearnerMailbox(tmp_path)
+    client.submit(3, make_records(3), data_position={"next": 6})
+    box.update_info(status="ready", next_step=3, data_position={"next": 4})  # resumed at 3, batch 3 waiting
+    with pytest.raises(MailboxTimeout, match="submitted batch of step 3"):
+        client.wait_caught_up(0.2)
+    box.update_info(status="ready", next_step=4, data_position={"next": 6})
+    assert client.wait_caught_up(1.0)["data_position"] == {"next": 6}
+    client.submit(4, make_records(4))
+    try:
+        raise ValueError("bad batch")
+    except ValueError as e:
+        box.write_failed(4, e)
+    with pytest.raises(LearnerFailedError, match="ValueError: bad batch"):
+        client.wait_caught_up(5.0)
+
+
+def test_final_save_plan():
+    """The last step N needs an HF directory (tensor|nccl never wrote one) and a checkpoint (unless the newest
+    complete one is of step N); a learner that trained nothing writes nothing."""
+    assert plan_final_save(7, weights_on_disk=True, checkpoint_step=5) == FinalPlan(False, True)  # disk sync
+    assert plan_final_save(7, weights_on_disk=False, checkpoint_step=5) == FinalPlan(True, True)  # tensor|nccl
+    assert plan_final_save(8, weights_on_disk=True, checkpoint_step=8) == FinalPlan(False, False)
+    assert plan_final_save(8, weights_on_disk=False, checkpoint_step=None) == FinalPlan(True, True)
+    assert plan_final_save(0, weights_on_disk=False, checkpoint_step=None) == FinalPlan(False, False)
+
+
+def test_resume_weights_survive_pruning_and_a_final_stop_saves_the_last_step(tiny_model, tmp_path):
+    """keep_weights=1 with a checkpoint every 2 steps: after step 3 the weights of checkpoint 2 are still
+    there (a resume loads them into the servers). Deleted anyway (pruned by an older learner), a restarted
+    learner writes them again from the checkpoint before it reports ready. A final STOP after step 3 (not a
+    checkpoint step, its HF weights gone as with a pushing sync path) writes both and names them in
+    final.json; a plain STOP would not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    overrides = ["learner.device=cpu", "learner.checkpoint_every=2", "learner.keep_weights=1",
+                 "learner.poll_s=0.05", "learner.lr=0.01"]
+    proc = _launch(run, tiny_model, overrides)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        client.wait_ready(120)
+        for s in (1, 2, 3):
+            client.submit(s, make_records(s), data_position={"next": 2 * s, "requeue": []})
+            client.wait_update(s, 120)
+        assert sorted(d.name for d in (run / "weights").iterdir()) == ["step-000002", "step-000003"]
+    finally:
+        proc.kill()
+        proc.wait()
+    os.replace(run / "weights" / "step-000002", tmp_path / "w2")
+
+    t1 = time.time()
+    proc = _launch(run, tiny_model, overrides)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        assert client.wait_ready(120, since=t1)["resumed_step"] == 2
+        assert_weights_close(tmp_path / "w2", run / "weights" / "step-000002", atol=0)  # from checkpoint 2
+        assert "weights of checkpoint step 2 were missing" in (run / "learner.log").read_text()
+        # step 3's batch is still in the mailbox: trained again, and learner.json then pairs next_step 4 with
+        # the data position stored with that batch
+        info = client.wait_caught_up(120)
+        assert (info["next_step"], info["data_position"]) == (4, {"next": 6, "requeue": []})
+        client.wait_update(3, 1)
+        os.replace(run / "weights" / "step-000003", tmp_path / "w3")  # as weight_sync tensor|nccl leave it
+        client.stop(final=True)
+        final = client.wait_final(120)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert final["step"] == 3 and final["weights_dir"] == str(run / "weights" / "step-000003")
+    assert final["checkpoint"] == str(run / "checkpoints" / "step-000003")
+    assert_weights_close(tmp_path / "w3", run / "weights" / "step-000003", atol=0)
+    assert (run / "weights" / "step-000003" / "tokenizer_config.json").is_file()
+    assert read_meta(run / "checkpoints" / "step-000003").data_position == {"next": 6, "requeue": []}
+    assert client.learner_info()["status"] == "stopped"
+    assert "final model of step 3" in (run / "learner.log").read_text()
 
 
 def test_checkpoint_every_null_writes_no_checkpoint(tiny_model, tmp_path):

@@ -56,10 +56,28 @@ def test_a_step_fails_once_violations_pass_the_limit(tmp_path):
     """Step 3 with η=0 may only train tokens of version 2; one record of two holds a version-0 token."""
     recs = [_rec(0, 0, [2, 2]), _rec(1, 0, [2, 0])]
     with pytest.raises(TrainingError, match=r"1 of 2 records hold tokens sampled outside versions \[2, 2\]"):
-        _trainer(tmp_path).batch_records(3, recs)
+        _trainer(tmp_path, "train.max_staleness=0").batch_records(3, recs)
     # the limit is a share of the step's records: 0.5 tolerates this one
-    usable, checks = _trainer(tmp_path, "train.max_version_violations=0.5").batch_records(3, recs)
+    usable, checks = _trainer(tmp_path, "train.max_staleness=0",
+                              "train.max_version_violations=0.5").batch_records(3, recs)
     assert len(usable) == 2 and checks["versions/violations"] == 1 and checks["versions/violation_rate"] == 0.5
+
+
+def test_the_default_schedule_is_async_with_one_version_of_staleness():
+    """README: training is asynchronous by default, η = 1 with the off-policy correction (decoupled PPO
+    around the recomputed proximal policy, truncated importance weights); η = 0 is one override away."""
+    cfg = load_config(None, [])
+    assert (cfg.train.schedule, cfg.train.max_staleness) == ("async", 1)
+    assert (cfg.algo.old_logprobs, cfg.algo.proximal, cfg.algo.tis_cap) == ("recompute", "recompute", 2.0)
+    assert load_config(None, ["train.max_staleness=0"]).train.max_staleness == 0
+
+
+def test_the_synchronous_schedule_checks_versions_as_eta_zero(tmp_path):
+    """train.schedule=sync keeps the default η = 1 in its config, but its records must all be of version s-1."""
+    recs = [_rec(0, 0, [2, 2]), _rec(1, 0, [2, 1])]
+    assert _trainer(tmp_path).batch_records(3, recs)[1]["versions/violations"] == 0  # async, η = 1
+    with pytest.raises(TrainingError, match=r"outside versions \[2, 2\]"):
+        _trainer(tmp_path, "train.schedule=sync").batch_records(3, recs)
 
 
 def test_resume_without_the_last_steps_weights_is_an_error_not_the_initial_weights(tmp_path):

@@ -17,14 +17,16 @@ def test_staleness_window():
         Staleness(-1)
 
 
-def simulate(eta: int, B: int, steps: int) -> list[tuple[int, list[int]]]:
+def simulate(eta: int, B: int, steps: int, first: int = 1) -> list[tuple[int, list[int]]]:
     """Run the rules the way the orchestrator does, with groups that finish in admission order and a
-    learner that trains as soon as B eligible groups are buffered. Returns (version at admission,
-    uids admitted) for each admission burst, and checks the staleness bound of every batch."""
-    adm = Admission(B, eta, total=steps * B)
+    learner that trains as soon as B eligible groups are buffered; `first` > 1: a run resumed after
+    step first-1 (nothing in flight, positions from (first-1)·B on). Returns (version at admission,
+    uids admitted) for each admission burst, and checks the staleness bound of every batch and that
+    no more than (η + 1)·B groups are ever admitted and not yet trained."""
+    adm = Admission(B, eta, total=(steps - first + 1) * B, base_version=first - 1)
     buf: GroupBuffer[int] = GroupBuffer(Staleness(eta))
-    version, uid, running, bursts = 0, 0, [], []
-    for step in range(1, steps + 1):
+    version, uid, running, bursts = first - 1, (first - 1) * B, [], []
+    for step in range(first, steps + 1):
         while True:
             k = adm.allowed(version)
             if k:
@@ -33,6 +35,7 @@ def simulate(eta: int, B: int, steps: int) -> list[tuple[int, list[int]]]:
                 bursts.append((version, burst))
                 running += [(u, version) for u in burst]
                 adm.started(k)
+            assert uid - (step - 1) * B <= (eta + 1) * B, (step, uid)  # admitted, not yet trained
             if (batch := buf.take(step, B)) is not None:
                 break
             u, v = running.pop(0)  # the oldest running group finishes
@@ -53,6 +56,22 @@ def test_eta_one_keeps_one_more_batch_in_flight():
     assert bursts[0] == (0, [0, 1, 2, 3])  # (η + v + 1)·B = 4 at version 0
     assert [v for v, _ in bursts] == [0, 1, 2]  # then B more per new version, until the total is reached
     assert sum(len(b) for _, b in bursts) == 8
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_a_resumed_run_keeps_exactly_a_fresh_runs_bound(eta):
+    """Resumed after step 5 (the checkpoint), admission allows what a fresh run allows at its start, and
+    the rest of the run is a fresh run's schedule, shifted by five versions and 5·B positions (η = 0:
+    B prompts per version, the synchronous schedule)."""
+    B, k = 3, 6
+    resumed = Admission(B, eta, total=4 * B, base_version=k - 1)
+    assert resumed.allowed(k - 1) == Admission(B, eta).allowed(0) == (eta + 1) * B
+    with pytest.raises(ValueError, match="older than"):
+        resumed.allowed(k - 2)
+    shifted = [(v + k - 1, [u + (k - 1) * B for u in burst]) for v, burst in simulate(eta, B, steps=4)]
+    assert simulate(eta, B, steps=k + 3, first=k) == shifted
+    if eta == 0:
+        assert shifted == [(5, [15, 16, 17]), (6, [18, 19, 20]), (7, [21, 22, 23]), (8, [24, 25, 26])]
 
 
 def test_cancelled_groups_give_their_room_back_and_total_caps():
