@@ -131,10 +131,13 @@ def test_dual_clip_and_token_tis_equal_verls_vanilla_loss_with_rollout_is_token(
 
 def test_verl_default_is_dual_clip_and_no_importance_weight():
     """verl's default (rollout_correction off) -> ours: tis_cap=null, dual_clip=3."""
-    logp, old, rollout, adv, mask = _batch(seed=1)
+    logp, old, rollout, adv, mask = _batch()
     cfg = AlgoConfig(clip_ratio_high=0.2, dual_clip=3.0, tis_cap=None)
     ours = policy_loss(logp, old, adv, mask, token_weights(mask, "token-mean"), cfg, rollout_logp=rollout)
     assert float(ours.loss) == pytest.approx(float(verl_token_mean(verl_pg_losses(old, logp, adv), mask)), rel=1e-6)
+    ours_default = policy_loss(logp, old, adv, mask, token_weights(mask, "token-mean"), AlgoConfig(),
+                               rollout_logp=rollout)
+    assert abs(float(ours_default.loss) - float(ours.loss)) > 1e-3  # our defaults are not verl's
 
 
 def test_sequence_tis_equals_verls_rollout_is_sequence_also_packed():
