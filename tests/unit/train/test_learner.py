@@ -477,12 +477,12 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
     print(f"kill+resume: first learner {t1 - t0:.1f}s, total {time.time() - t0:.1f}s")
 
 
-def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
+def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol, algo_overrides=("algo.kl_coef=0.05",)):
     run = tmp_path / "run"
     run.mkdir()
     overrides = device_overrides + [
         "learner.lr=0.1", "learner.adam_eps=1.0", "learner.poll_s=0.05", "learner.micro_batch_tokens=30",
-        "learner.mini_batches=2", "algo.kl_coef=0.05", "learner.grad_clip=0.5"]
+        "learner.mini_batches=2", "learner.grad_clip=0.5", *algo_overrides]
     batch = make_records(1, seed=21, groups=3)
     proc = _launch(run, tiny_model, overrides, nproc=2)
     try:
@@ -501,10 +501,12 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
             proc.wait()
     algo, cfg = load_sections(None, overrides)
     _, m, ref = one_step(tiny_model, algo, cfg, batch, tmp_path / "ref")
-    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes"):
-        assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes", "mismatch/rs_masked_frac"):
+        if k in m:
+            assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
     assert_weights_close(ref, res.weights_dir, atol=atol)
     assert math.isfinite(res.metrics["actor/entropy"])
+    return res.metrics
 
 
 def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
@@ -560,6 +562,15 @@ def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
     """torchrun, 2 CPU ranks (gloo): sharded data, padded micro-batch counts, FSDP gradient
     averaging undone by the world-size factor; the result equals one rank on the whole batch."""
     _two_ranks_vs_one(tiny_model, tmp_path, ["learner.device=cpu"], atol=1e-5)
+
+
+def test_two_ranks_match_one_rank_with_verls_rejection_and_reinforce_pp(tiny_model, tmp_path):
+    """verl's order across ranks: the rejection's kept-token counts (denominators of each mini-batch) and
+    REINFORCE++'s token whitening are sums over both ranks' episodes (one all-reduce each)."""
+    m = _two_ranks_vs_one(tiny_model, tmp_path, ["learner.device=cpu"], atol=1e-5, algo_overrides=(
+        "algo.kl_coef=0.05", "algo.estimator=reinforce_pp", "algo.rollout_rs=token_k1",
+        "algo.rollout_rs_threshold=0.1_5.0"))
+    assert 0 < m["mismatch/rs_masked_frac"] < 1
 
 
 @pytest.mark.gpu
