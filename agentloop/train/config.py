@@ -119,9 +119,9 @@ class AlgoConfig(_Section):
     k3 = exp(-d) + d - 1 (>= 0, capped at `kl_value_max`): its expected gradient is that of the *reverse*
     KL(ref||pi), not KL(pi||ref); it is the GRPO paper's term.
     In the reward: k1_reward = kl_coef * (old_logp - ref_logp) is subtracted from each model token's
-    reward, summed from that token to the end of its episode (the KL penalty's return, verl's
-    use_kl_in_reward), and the advantage of every token is lowered by it: the policy gradient of
-    -kl_coef * KL(pi||ref) over whole sequences, unbiased."""
+    reward, summed from that token to the end of its episode (the KL penalty's return), and the advantage
+    of every token is lowered by it after the estimator: the policy gradient of -kl_coef * KL(pi||ref) over
+    whole sequences, unbiased. verl's order (the penalty before the estimator) is `use_kl_in_reward`."""
     kl_value_max: float = Field(default=10.0, gt=0)
     """k3 only: per-token KL values are capped here (with zero gradient beyond), so one token whose
     logprob fell far below the reference's cannot dominate the loss (uncapped, exp(ref - logp) explodes)."""
@@ -178,7 +178,8 @@ class AlgoConfig(_Section):
     by beta * kl_penalty(old, ref) (old: the step-start logprobs, or the behaviour ones with
     old_logprobs=rollout; beta: `kl_ctrl_coef`, adapted by `kl_ctrl`), so grpo and rloo see
     reward - beta * (the episode's summed penalty) and reinforce_pp whitens each token's return-to-go
-    over the batch's tokens. Loads the reference model. Independent of kl_coef (the KL loss), as in verl."""
+    over the batch's tokens. Loads the reference model and, with old_logprobs=recompute, runs a no-grad pass
+    of the policy at the start of every step. Independent of kl_coef (the KL loss), as in verl."""
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
     """verl's algorithm.kl_penalty, the per-token penalty of `use_kl_in_reward`, d = old - ref: kl = d,
     abs = |d|, mse = d^2 / 2, low_var_kl = exp(-d) + d - 1 (-d bounded to [-20, 20], value to [-10, 10])."""
