@@ -126,7 +126,7 @@ class ToolAgentLoop(AgentLoopBase):
             kw = kwargs.get(n) or {}
             if not isinstance(kw, dict):
                 raise ConfigError(f"tools_kwargs[{n!r}] of row {sample.index} must be a mapping")
-            if getattr(tool, "verl_style", False):
+            if tool.verl_style:
                 per_tool[n] = kw.get("create_kwargs") or {}  # verl: tools_kwargs[name].get("create_kwargs", {})
             else:
                 per_tool[n] = kw.get("create_kwargs", kw) if isinstance(kw.get("create_kwargs"), dict) else kw

@@ -123,7 +123,6 @@ def make_adapter(instance: Any, schema: dict[str, Any]) -> type[BaseTool]:
         parameters = fn.get("parameters") or {"type": "object", "properties": {}}
         verl_tool = instance
         verl_style = True
-        """Driven by verl's rules in tool_agent_loop (offered to every row, create_kwargs, silent drop)."""
 
         def validate_arguments(self, arguments: Any) -> list[str]:
             return []  # verl hands the model's arguments to the tool as they are; the tool decides

@@ -248,11 +248,11 @@ class Learner:
             weight_decay=self.cfg.weight_decay,
         )
         self._ckpt = None  # CheckpointWriter, created at the first background save
-        self.step = 0
         from agentloop.train.verl_order import KLController
 
         self.kl_ctrl = KLController(self.algo)
         """beta of algo.use_kl_in_reward (adaptive: saved in checkpoints' extra as kl_ctrl_value)."""
+        self.step = 0
         """Last training step applied to the weights (0 = none)."""
 
     # model construction ------------------------------------------------------------------------
