@@ -269,6 +269,9 @@ def _data_parsers(sub: Any) -> None:
     ck.add_argument("--max-problems", type=int, default=50, metavar="N", help="problems printed (0: all)")
     ck.add_argument("--plugin", action="append", default=[], metavar="P",
                     help="import first (registers rewards/tools the rows name); repeatable")
+    ck.add_argument("--tools-config", metavar="FILE",
+                    help="verl's tool config (tools.verl_tool_config): load it and say which tools each "
+                         "data_source's rows can call")
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -318,7 +321,7 @@ def _data_check(args: argparse.Namespace) -> int:
 
     for ref in args.plugin:
         load_plugin(ref)
-    report = check_file(args.file, prompt_key=args.prompt_key)
+    report = check_file(args.file, prompt_key=args.prompt_key, tools_config=args.tools_config)
     for line in format_report(report, args.file, limit=args.max_problems or None):
         print(line)
     return 1 if report.errors else 0

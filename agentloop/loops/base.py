@@ -59,14 +59,15 @@ class TrajectoryBuilder:
         self.response_logprobs.extend([0.0] * len(token_ids))
         self.token_versions.extend([None] * len(token_ids))
 
-    def next_turn(self, per_turn: int, max_response_tokens: int, context_length: int) -> tuple[int, str]:
+    def next_turn(self, per_turn: int | None, max_response_tokens: int, context_length: int) -> tuple[int, str]:
         """How many tokens the next generation may make, and the limit that binds it ("length" |
-        "token_budget" | "context"). (0, limit) when nothing is left: the limit is then the finish reason."""
+        "token_budget" | "context"); `per_turn` None: no cap of its own (what is left of the budget and the
+        context, verl's rule). (0, limit) when nothing is left: the limit is then the finish reason."""
         left = max_response_tokens - len(self.response_ids)
         room = context_length - len(self.all_ids)
         if left < 1 or room < 1:
             return 0, "token_budget" if left < 1 else "context"
-        want = min(per_turn, left, room)
+        want = min(left, room) if per_turn is None else min(per_turn, left, room)
         return want, "length" if want == per_turn else ("token_budget" if want == left else "context")
 
     def env_limit(self, token_ids: list[int], max_response_tokens: int, context_length: int) -> str | None:

@@ -37,7 +37,7 @@ from agentloop.records import AgentLoopOutput, EpisodeRecord, Sample
 from agentloop.report.progress import emit, progress_line
 from agentloop.rewards.tool_aware import combine_tool_reward
 from agentloop.rollout.looplag import LoopLagMonitor
-from agentloop.rollout.scorer import Scorer
+from agentloop.rollout.scorer import Scorer, reward_extra_info
 from agentloop.rollout.summary import summarize
 from agentloop.server_manager import ServerManager
 
@@ -208,7 +208,8 @@ class RolloutEngine:
         if error is None and reward is None and out.finish_reason != "abort":
             t_score = time.monotonic()
             try:
-                reward, info = await self.scorer.score(sample, self.scorer.solution_text(sample, out, self.tokenizer))
+                reward, info = await self.scorer.score(sample, self.scorer.solution_text(sample, out, self.tokenizer),
+                                                       reward_extra_info(sample, out))
                 reward, tool_info = combine_tool_reward(reward, out.extra, self.cfg.reward.tools)
                 info = {**info, **tool_info}
             except RewardError as e:

@@ -41,20 +41,46 @@ class Scorer:
         """The solution_str for `sample`'s reward, built from the episode's tokens as its framework does."""
         return solution_text(out, tokenizer, self.view(sample))
 
-    async def score(self, sample: Sample, solution_str: str) -> tuple[float, dict[str, Any]]:
+    async def score(self, sample: Sample, solution_str: str,
+                    extra_info: dict[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
+        """Score `solution_str`; the reward gets `extra_info` (`reward_extra_info(sample, out)`), else the row's."""
         fn = self.reward_fn(sample)
+        extra = sample.extra_info if extra_info is None else extra_info
         if inspect.iscoroutinefunction(fn):
             try:
                 raw = await call_reward(fn, {"data_source": sample.data_source, "solution_str": solution_str,
-                                             "ground_truth": sample.ground_truth, "extra_info": sample.extra_info})
+                                             "ground_truth": sample.ground_truth, "extra_info": extra})
             except RewardError:
                 raise
             except Exception as e:  # noqa: BLE001 - named and re-raised as a reward failure
                 raise RewardError(f"reward for {sample.data_source!r} raised {type(e).__name__}: {e}") from e
             result = normalize_reward(raw, sample.data_source)
         else:
-            result = score_episode(fn, sample.data_source, solution_str, sample.ground_truth, sample.extra_info)
+            result = score_episode(fn, sample.data_source, solution_str, sample.ground_truth, extra)
         return result.score, result.info
+
+
+def reward_extra_info(sample: Sample, out: AgentLoopOutput) -> dict[str, Any]:
+    """The `extra_info` a reward function receives: a copy of the row's, plus what verl's reward managers add
+    (verl b178a3cd: naive/reward-loop managers and the tool agent loop's extra fields), so a verl reward that
+    reads them finds them:
+
+        num_turns              verl's count: 1 (the prompt) + assistant turns + tool-response rounds
+                               (a single-turn episode: 2)
+        tool_rewards           the step reward of each tool call run, in order (verl tools' own; 0.0 for
+                               any other call, and for a call that failed, as verl lists it)
+        turn_scores            [] (verl's interaction scores; there are no interactions here)
+        rollout_reward_scores  {} (what verl passes when its rollout set none)
+    """
+    info = dict(sample.extra_info)
+    mask = out.response_mask
+    env_rounds = sum(1 for i, m in enumerate(mask) if m == 0 and i > 0 and mask[i - 1] == 1)
+    trace = out.extra.get("tool_trace") or []
+    info["tool_rewards"] = [float(t["step_reward"]) for t in trace if isinstance(t, dict) and "step_reward" in t]
+    info["turn_scores"] = []
+    info["num_turns"] = 1 + out.num_turns + env_rounds
+    info["rollout_reward_scores"] = {}
+    return info
 
 
 
