@@ -160,7 +160,7 @@ class _Worker:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", f"from agentloop.rewards.pool import worker_main; worker_main({theirs.fileno()})"],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, start_new_session=False)
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.conn = multiprocessing.connection.Connection(ours.detach())
@@ -174,8 +174,9 @@ class _Worker:
 class RewardPool:
     """Runs synchronous reward functions in `workers` processes (or threads), `timeout_s` per call.
 
-    Use on one event loop; `await close()` when done (workers are daemons, so they also end with this
-    process). `on_note` receives one line when a reward has to run on a thread."""
+    Use on one event loop; `await close()` when done (else the workers are killed when the pool is
+    garbage-collected or this process exits; a worker whose parent died exits on its socket's EOF).
+    `on_note` receives one line when a reward has to run on a thread, or when no worker can start."""
 
     def __init__(self, workers: int = 4, timeout_s: float = 60.0,
                  executor: Literal["process", "thread"] = "process",

@@ -78,7 +78,7 @@ def test_slow_raising_and_looping_rewards_score_the_minimum_and_the_rest_goes_on
     f = tmp_path / "my_reward.py"
     f.write_text(REWARD)
     pid_file = tmp_path / "looping.pid"
-    c = cfg(f"reward.custom={f}:compute_score", "reward.timeout_s=2", "reward.workers=3",
+    c = cfg(f"reward.custom={f}:compute_score", "reward.timeout_s=3", "reward.workers=3",
             "reward.failure_score=-1")
     truths = ["sleep", "ok", "raise", "loop", "none", "ok", "ok"]
     res, killed = run_episodes(c, truths, pid_file)
@@ -88,7 +88,7 @@ def test_slow_raising_and_looping_rewards_score_the_minimum_and_the_rest_goes_on
         assert by[i].reward == 1.0 and "reward_errors" not in by[i].metrics
     for i in (0, 3):  # the sleeping and the looping reward: past the deadline, killed
         assert by[i].reward == -1.0 and by[i].metrics["reward_timeouts"] == 1.0
-        assert "ran past reward.timeout_s=2s; its worker was killed" in by[i].reward_info["reward_error"]
+        assert "ran past reward.timeout_s=3s; its worker was killed" in by[i].reward_info["reward_error"]
     assert by[2].reward == -1.0 and by[2].metrics["reward_errors"] == 1.0
     assert "raised ValueError: cannot parse the answer" in by[2].reward_info["reward_error"]
     assert by[4].reward == -1.0 and by[4].metrics["reward_errors"] == 1.0  # None is not a score
@@ -96,7 +96,7 @@ def test_slow_raising_and_looping_rewards_score_the_minimum_and_the_rest_goes_on
     # the others finished while the slow ones were still being scored, and the event loop never froze
     order = [r.index for r in res.records]
     assert {order[-1], order[-2]} == {0, 3}
-    assert res.summary["loop/lag_max_ms"] < 1000
+    assert res.summary["loop/lag_max_ms"] < 2000  # inline, the sleeping reward alone froze it 60 s
     assert killed == 2
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # the looping worker is gone (killed and reaped)
