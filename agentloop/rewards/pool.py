@@ -74,7 +74,10 @@ def reward_ref(fn: RewardCallable) -> RewardRef | None:
         by_name = importlib.machinery.PathFinder.find_spec(top) is not None
     except (ImportError, ValueError):
         by_name = False
-    return (mod_name, None if by_name else getattr(module, "__file__", None), qual)
+    path = getattr(module, "__file__", None)
+    if not by_name and not isinstance(path, str):  # made at run time: nothing a worker could import
+        return None
+    return (mod_name, None if by_name else path, qual)
 
 
 def resolve_ref(ref: RewardRef) -> RewardCallable:
@@ -132,10 +135,14 @@ def worker_main(fd: int) -> None:
             ref, args = conn.recv()
         except (EOFError, OSError):
             return
-        try:
-            fn = fns.get(ref)
-            if fn is None:
+        fn = fns.get(ref)
+        if fn is None:
+            try:
                 fn = fns[ref] = resolve_ref(ref)
+            except BaseException as e:  # noqa: BLE001 - the parent runs this reward on a thread instead
+                conn.send(("unresolvable", f"{type(e).__name__}: {e}"))
+                continue
+        try:
             score, info = _score(fn, args)
             answer: tuple[Any, ...] = ("ok", score, info)
         except RewardError as e:
@@ -237,6 +244,12 @@ class RewardPool:
         self._idle_put(worker)
         if answer[0] == "ok":
             return RewardResult(score=answer[1], info=answer[2])
+        if answer[0] == "unresolvable":  # a worker cannot import it after all: threads for this function
+            self._refs[id(fn)] = (fn, None)
+            self._noted.add(_name(fn))
+            self._note(f"a reward worker cannot import {_name(fn)} ({answer[1]}): it runs on a thread, where a "
+                       "call past reward.timeout_s cannot be stopped")
+            return await self._in_thread(fn, args)
         raise RewardError(answer[1])
 
     async def _drain(self, worker: _Worker) -> None:

@@ -146,3 +146,25 @@ def test_an_async_reward_that_hangs_times_out():
     s = Sample(index=0, data_source="t", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(Exception, match="ran past reward.timeout_s=0.5s"):
         asyncio.run(scorer.score(s, "text"))
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_a_worker_cannot_import_after_all_is_scored_on_a_thread(tmp_path):
+    """The custom reward file is gone by the time a worker looks for it: the call is not failed (that
+    would score every episode the minimum), it runs on a thread, said once."""
+    f = tmp_path / "gone.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    fn = load_custom_reward(f"{f}:compute_score")
+    f.unlink()
+    notes: list[str] = []
+
+    async def main():
+        pool = RewardPool(workers=1, timeout_s=20, on_note=notes.append)
+        try:
+            args = {"data_source": "d", "solution_str": "s", "ground_truth": 1, "extra_info": None}
+            return [(await pool.score(fn, args)).score for _ in range(2)]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main()) == [0.5, 0.5]
+    assert len(notes) == 1 and "cannot import compute_score" in notes[0] and "runs on a thread" in notes[0]
