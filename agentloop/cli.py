@@ -389,8 +389,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         if (run_dir / "traces.html").exists():
             print(f"  traces:  {run_dir / 'traces.html'} (tokens shaded by mask and logprob)")
         if result.stopped:
-            print(f"agentloop: the run stopped early: {result.stopped}; "
-                  f"{len(result.records)} records kept in {run_dir / 'records.jsonl'}", file=sys.stderr)
+            print(f"agentloop: the run stopped early: {result.stopped}; {len(result.records)} episodes ended, "
+                  f"{result.summary.get('not_started', 0)} never started; records: {run_dir / 'records.jsonl'}",
+                  file=sys.stderr)
             return 1
         return 0
     if args.command == "train":

@@ -2,6 +2,8 @@
 
     AgentLoopBase        constructed per episode by the engine; write `async run(sample, sampling_params)`
     TrajectoryBuilder    accumulates response tokens with masks/logprobs where they are made
+    watch_trajectories   the engine's hook: the builders an episode makes, so one cut by its timeout
+                         still has the turns it finished
 
 A loop talks to servers only through `self.generate(...)` (token ids in, token ids out),
 so everything it returns is exactly what the model sampled or what the environment added.
@@ -12,6 +14,7 @@ text, so a control token's string in it (say "<|im_end|>") can never become the 
 
 from __future__ import annotations
 
+import contextvars
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,6 +25,20 @@ from agentloop.records import AgentLoopOutput, Sample, TokenOutput
 
 if TYPE_CHECKING:
     from agentloop.server_manager import ServerManager
+
+
+_WATCHED: contextvars.ContextVar[list["TrajectoryBuilder"] | None] = contextvars.ContextVar(
+    "agentloop_trajectories", default=None)
+
+
+def watch_trajectories() -> list["TrajectoryBuilder"]:
+    """From now on, every TrajectoryBuilder made in this task (and in tasks it starts) is appended to the
+    returned list. The engine calls it per episode: when the episode's timeout cancels the loop, the
+    last builder holds the turns it finished (whole generate calls and environment tokens), which are
+    trained at the failure score rather than lost."""
+    built: list[TrajectoryBuilder] = []
+    _WATCHED.set(built)
+    return built
 
 
 class TrajectoryBuilder:
@@ -42,6 +59,9 @@ class TrajectoryBuilder:
         self.token_versions: list[int | None] = []
         self.interrupted_calls = 0
         self.num_turns = 0
+        watched = _WATCHED.get()
+        if watched is not None:
+            watched.append(self)
 
     def add_model(self, out: TokenOutput) -> None:
         self.response_ids.extend(out.token_ids)

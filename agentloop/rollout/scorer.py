@@ -1,15 +1,19 @@
-"""Scoring an episode: which reward function applies (custom, code, or by data_source) and the text it sees."""
+"""Scoring an episode: which reward function applies (custom, code, or by data_source), the text it sees,
+and where it runs: synchronous functions in the reward pool's worker processes (agentloop.rewards.pool),
+async ones on the loop, each call under `reward.timeout_s` (the code reward keeps its own deadlines)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 from agentloop.config import Config
 from agentloop.errors import RewardError
 from agentloop.records import AgentLoopOutput, Sample
-from agentloop.rewards import get_reward, load_custom_reward, score_episode
+from agentloop.rewards import get_reward, load_custom_reward
 from agentloop.rewards.code import make_code_reward
+from agentloop.rewards.pool import RewardPool, RewardTimeout
 from agentloop.rewards.scoring import (
     RewardCallable,
     SolutionView,
@@ -22,11 +26,18 @@ from agentloop.rewards.scoring import (
 class Scorer:
     """Chooses and calls the reward function of an episode (custom one, or by data_source)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, on_note: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.custom = load_custom_reward(cfg.reward.custom) if cfg.reward.custom else None
         # Rewards that need run config (sandbox limits) are built here rather than registered globally.
+        # They bound their own runs (reward.code.timeout_s from when a sandbox slot is free), so
+        # reward.timeout_s, which would also count the wait for a slot, is not applied to them.
         self.overrides = {"agentloop/code": make_code_reward(cfg.reward.code, limits=cfg.tools.python)}
+        self.pool = RewardPool(cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.executor, on_note=on_note)
+
+    async def close(self) -> None:
+        """Stop the reward workers."""
+        await self.pool.close()
 
     def reward_fn(self, sample: Sample) -> RewardCallable:
         """The function that scores `sample`: the custom one, a run-configured one, or the registry's."""
@@ -43,20 +54,27 @@ class Scorer:
 
     async def score(self, sample: Sample, solution_str: str,
                     extra_info: dict[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
-        """Score `solution_str`; the reward gets `extra_info` (`reward_extra_info(sample, out)`), else the row's."""
+        """(score, info) of one episode; the reward gets `extra_info` (`reward_extra_info(sample, out)`), else
+        the row's. RewardTimeout past `reward.timeout_s`; RewardError when the function raised or returned
+        something unusable, or when no reward applies to the sample."""
         fn = self.reward_fn(sample)
-        extra = sample.extra_info if extra_info is None else extra_info
-        if inspect.iscoroutinefunction(fn):
-            try:
-                raw = await call_reward(fn, {"data_source": sample.data_source, "solution_str": solution_str,
-                                             "ground_truth": sample.ground_truth, "extra_info": extra})
-            except RewardError:
-                raise
-            except Exception as e:  # noqa: BLE001 - named and re-raised as a reward failure
-                raise RewardError(f"reward for {sample.data_source!r} raised {type(e).__name__}: {e}") from e
-            result = normalize_reward(raw, sample.data_source)
-        else:
-            result = score_episode(fn, sample.data_source, solution_str, sample.ground_truth, extra)
+        args = {"data_source": sample.data_source, "solution_str": solution_str,
+                "ground_truth": sample.ground_truth,
+                "extra_info": sample.extra_info if extra_info is None else extra_info}
+        if not inspect.iscoroutinefunction(fn):
+            result = await self.pool.score(fn, args)
+            return result.score, result.info
+        own_deadline = fn is self.overrides.get(sample.data_source)
+        try:
+            raw = await asyncio.wait_for(call_reward(fn, args), None if own_deadline else self.cfg.reward.timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardTimeout(f"reward for {sample.data_source!r} ran past reward.timeout_s="
+                                f"{self.cfg.reward.timeout_s:g}s") from None
+        except RewardError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named and re-raised as a reward failure
+            raise RewardError(f"reward for {sample.data_source!r} raised {type(e).__name__}: {e}") from e
+        result = normalize_reward(raw, sample.data_source)
         return result.score, result.info
 
 
@@ -81,7 +99,6 @@ def reward_extra_info(sample: Sample, out: AgentLoopOutput) -> dict[str, Any]:
     info["num_turns"] = 1 + out.num_turns + env_rounds
     info["rollout_reward_scores"] = {}
     return info
-
 
 
 def solution_text(out: AgentLoopOutput, tokenizer: Any, view: SolutionView = "loop") -> str:

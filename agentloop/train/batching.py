@@ -2,7 +2,7 @@
 
 Map:
     Episode            one usable record, flattened (ids, masks, rollout logprobs, advantage, versions)
-    prepare_episodes   drop failed/unscored records, group by (step, index), compute advantages
+    prepare_episodes   drop unscored records and infrastructure failures, group by uid, compute advantages
     staleness_metrics  version lag per token (asynchronous rollouts)
     mini_batch_indices deterministic shuffle + split of a step's episodes into mini-batches
     shard_for_rank     token-balanced split of a mini-batch over ranks (same answer on every rank)
@@ -61,6 +61,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
 from agentloop.train.advantages import compute_advantages, group_ids
 from agentloop.train.config import AlgoConfig, LossAggMode
@@ -111,12 +112,17 @@ class Prepared:
 
 
 def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared:
-    """Exclude failed (`error` set) and unscored records, compute advantages per (step, index) group.
+    """Exclude unscored records and those failed for a cause outside the policy, compute advantages per
+    GRPO group (uid, else (step, index)).
 
-    Episodes without model tokens take part in their group's baseline but not in the loss.
+    A policy failure (agentloop.errors.failure_kind: an episode timeout) that the orchestrator scored at
+    `reward.failure_score` stays: it takes part in its group's baseline, and in the loss with the
+    tokens it sampled. Episodes without model tokens (or without any tokens) take part in their group's
+    baseline but not in the loss.
     """
-    ok = [r for r in records if r.error is None and r.reward is not None and r.prompt_ids]
-    failed = sum(1 for r in records if r.error is not None)
+    ok = [r for r in records if r.reward is not None and failure_kind(r.error, r.finish_reason) != "infra"]
+    kept = {id(r) for r in ok}
+    failed = sum(1 for r in records if r.error is not None and id(r) not in kept)
     groups = group_ids([("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok])
     adv = compute_advantages(
         [float(r.reward) for r in ok],
@@ -124,7 +130,7 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
         [r.num_model_tokens for r in ok],
         algo,
     )
-    entered = [bool(k) and r.num_model_tokens > 0 for r, k in zip(ok, adv.keep.tolist())]
+    entered = [bool(k) and r.num_model_tokens > 0 and bool(r.prompt_ids) for r, k in zip(ok, adv.keep.tolist())]
     ok_episode, n = [], 0
     for e in entered:
         ok_episode.append(n if e else -1)
@@ -146,6 +152,7 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
     metrics = {
         "batch/records": float(len(records)),
         "batch/failed": float(failed),
+        "batch/policy_failed": float(sum(1 for r in ok if r.error is not None)),
         "batch/unscored": float(len(records) - failed - len(ok)),
         "batch/episodes": float(len(eps)),
         "batch/model_tokens": float(sum(e.model_tokens for e in eps)),
