@@ -30,6 +30,7 @@ Exit codes: 0 done, 1 the run stopped early (e.g. every server died), 2 bad inpu
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -338,8 +339,45 @@ def _retriever_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Option strings (of the parser and all its subparsers) that take a value."""
+    out: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _value_options(sub)
+        elif action.option_strings and action.nargs != 0:
+            out.update(action.option_strings)
+    return out
+
+
+def overrides_last(argv: list[str], value_options: set[str]) -> list[str]:
+    """`key.sub=value` overrides moved behind the flags, so they may come anywhere on the line
+    (`agentloop rollout a.b=1 -n 2 c.d=3`): argparse takes a positional list only as one run of tokens.
+    A token right after an option that takes a value is that value, and stays."""
+    head: list[str] = []
+    tail: list[str] = []
+    takes_value = False
+    for tok in argv:
+        if takes_value:
+            head.append(tok)
+            takes_value = False
+        elif tok.startswith("-"):
+            head.append(tok)
+            takes_value = "=" not in tok and tok in value_options
+        elif _OVERRIDE.match(tok):
+            tail.append(tok)
+        else:
+            head.append(tok)
+    return head + tail
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(overrides_last(list(sys.argv[1:] if argv is None else argv), _value_options(parser)))
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
