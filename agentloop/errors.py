@@ -12,7 +12,9 @@
     │   ├── RetryBudgetExhausted   retries of one call ran out of time or attempts
     │   └── AllServersDownError    no healthy server left: the run must stop
     └── EpisodeError           an episode-level failure a loop raises on purpose
-        └── PromptTooLongError the prompt does not fit the context
+        ├── PromptTooLongError the prompt does not fit the context
+        └── AgentError         your agent (openai_agent_loop) crashed, answered badly or made no request
+            └── AgentTimeoutError  it ran past agent.timeout_s
 
 Inside the engine, every exception raised by an episode becomes an error record
 (type + message), except AllServersDownError, which stops the run after the records
@@ -77,3 +79,12 @@ class EpisodeError(AgentLoopError):
 
 class PromptTooLongError(EpisodeError):
     """The prompt (plus at least one new token) does not fit the model's context."""
+
+
+class AgentError(EpisodeError):
+    """A user agent run by openai_agent_loop failed: it raised, its command exited non-zero, its result was
+    unusable, or it never called the model."""
+
+
+class AgentTimeoutError(AgentError):
+    """A user agent ran past agent.timeout_s (it was cancelled, its process group killed)."""

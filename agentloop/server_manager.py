@@ -206,6 +206,7 @@ class ServerManager:
         self._down_since: float | None = None
         self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
+        self._closers: list[Callable[[], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -227,7 +228,17 @@ class ServerManager:
             self._answered_at = [time.monotonic()] * len(self.urls)
             self._health_task = asyncio.create_task(self._health_loop(), name="server-health")
 
+    def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Await `fn()` first thing when the manager closes: what lives as long as it and serves through it
+        (the agent gateway) is closed before the manager stops answering."""
+        if self._closed:
+            raise ServerError("ServerManager is closed")
+        self._closers.append(fn)
+
     async def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for fn in reversed(closers):
+            await fn()
         self._closed = True
         if self._health_task is not None:
             self._health_task.cancel()

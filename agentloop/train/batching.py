@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from agentloop.records import EpisodeRecord
-from agentloop.train.advantages import compute_advantages, group_ids
+from agentloop.train.advantages import Advantages, compute_advantages, group_ids
 from agentloop.train.config import AlgoConfig, LossAggMode
 from agentloop.train.flops import RowCost
 from agentloop.train.losses import token_weights
@@ -104,16 +104,26 @@ class Prepared:
 def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared:
     """Exclude failed (`error` set) and unscored records, compute advantages per (step, index) group.
 
-    Episodes without model tokens take part in their group's baseline but not in the loss.
+    Episodes without model tokens take part in their group's baseline but not in the loss. An episode of
+    several segments (records sharing its episode_id, openai_agent_loop) is one episode to the estimator
+    (its reward counted once in the group's baseline, its length the sum of theirs); each segment is then
+    a sequence of the loss with the episode's advantage (so under token-mean every model token weighs the
+    same, under seq-mean-* each segment counts as a sequence).
     """
     ok = [r for r in records if r.error is None and r.reward is not None and r.prompt_ids]
     failed = sum(1 for r in records if r.error is not None)
-    adv = compute_advantages(
-        [float(r.reward) for r in ok],
-        group_ids([("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok]),
-        [r.num_model_tokens for r in ok],
-        algo,
-    )
+    group = [("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok]
+    episodes: dict[tuple[object, str], list[int]] = {}  # (group, episode id) -> its records in `ok`
+    for i, (g, r) in enumerate(zip(group, ok)):
+        episodes.setdefault((g, r.episode_id), []).append(i)
+    per_episode = compute_advantages([float(ok[idx[0]].reward) for idx in episodes.values()],
+                                     group_ids([g for g, _ in episodes]),
+                                     [sum(ok[i].num_model_tokens for i in idx) for idx in episodes.values()], algo)
+    which = torch.zeros(len(ok), dtype=torch.int64)
+    for e, idx in enumerate(episodes.values()):
+        which[idx] = e
+    adv = Advantages(values=per_episode.values[which], keep=per_episode.keep[which],
+                     zero_variance=per_episode.zero_variance[which])
     eps = [
         Episode(
             ids=list(r.prompt_ids) + list(r.response_ids),
