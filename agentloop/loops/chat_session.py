@@ -71,17 +71,12 @@ class _Segment:
     template: list[dict[str, Any]]
     """The same history as the chat template renders it (this session's turns as the model wrote them)."""
     tools: list[dict[str, Any]] | None
-    tools_key: str
     call_names: dict[str, str] = field(default_factory=dict)
     """Tool-call id -> function name (tool messages carry the name into the template)."""
     end_text: str = ""
     """The end-of-turn text the model emitted on the segment's last turn ("" if cut off)."""
     finish: str = "stop"
     """Finish reason of the segment's last turn (stop | length | abort)."""
-
-
-def _tools_key(tools: list[dict[str, Any]] | None) -> str:
-    return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
 
 
 class ChatSession:
@@ -156,7 +151,7 @@ class ChatSession:
         # commit: nothing above changed the session, so a refused or failed request leaves it as it was
         if seg is None:
             seg = _Segment(len(self.segments), TrajectoryBuilder(prompt), [m.key() for m in req.messages], new_t,
-                           req.tools, _tools_key(req.tools),
+                           req.tools,
                            call_names={c.id: c.name for m in req.messages for c in m.tool_calls})
             self.segments.append(seg)
             self.m["segments"] += 1
@@ -185,10 +180,9 @@ class ChatSession:
     def _find(self, req: ChatRequest) -> tuple[_Segment | None, list[Message]]:
         """The newest segment the request extends, and the messages it adds (see the module doc)."""
         keys = [m.key() for m in req.messages]
-        tools = _tools_key(req.tools)
         for seg in reversed(self.segments):
             n = len(seg.keys)
-            if seg.tools_key == tools and len(keys) > n and keys[:n] == seg.keys \
+            if seg.tools == req.tools and len(keys) > n and keys[:n] == seg.keys \
                     and all(m.role != "assistant" for m in req.messages[n:]):
                 return seg, req.messages[n:]
         return None, req.messages
