@@ -10,7 +10,7 @@ import pytest
 from agentloop.config import load_config
 from agentloop.records import EpisodeRecord
 from agentloop.train.mailbox import MailboxClient
-from agentloop.train.orchestrator import Trainer, TrainingError, trainable
+from agentloop.train.orchestrator import Trainer, TrainingError, rollout_metrics, trainable
 
 
 def _rec(uid: int, repeat: int, versions: list[int], *, reward: float | None = 1.0, error: str | None = None,
@@ -66,3 +66,12 @@ def test_resume_without_the_last_steps_weights_is_an_error_not_the_initial_weigh
     t = _trainer(tmp_path)
     with pytest.raises(TrainingError, match="weights of step 2 are missing"):
         asyncio.run(t.resume_weights(3))
+
+
+def test_step_metrics_count_an_episode_of_several_segments_once():
+    """openai_agent_loop writes an episode of two segments as two records: one episode, all its tokens."""
+    a0, b = _rec(0, 0, [0, 0], reward=1.0), _rec(0, 1, [0], reward=0.0)
+    a1 = a0.model_copy(update={"segment": 1, "num_turns": 1})
+    m = rollout_metrics([a0, a1, b], "train")
+    assert (m["train/episodes"], m["train/reward"]) == (2.0, 0.5)
+    assert (m["train/model_tokens"], m["train/turns"]) == ((2 + 2 + 1) / 2, (1 + 1 + 1) / 2)
