@@ -13,6 +13,7 @@ Map:
     finish_update              after an update, before resume: the flush the interrupt mode needs
                                (agentloop.interrupt), with a fallback where a server refuses it
     gauges                     `server/...` numbers for progress lines and metrics
+    on_close                   what lives as long as the manager and serves through it (the agent gateway)
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
