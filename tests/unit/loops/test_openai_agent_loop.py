@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -173,8 +174,15 @@ def _script(tmp_path: Path, body: str) -> str:
     return f"{sys.executable} {path}"
 
 
-def test_command_harness_reward_from_its_last_stdout_line(tmp_path):
-    cmd = _script(tmp_path, "answer = chat(sample['messages'])\n"
+BWRAP = "bwrap --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp --unshare-pid --die-with-parent "
+"""The README's example of wrapping a command (read-only filesystem, own pid namespace, network shared)."""
+
+
+@pytest.mark.parametrize("wrap", ["", "bwrap"])
+def test_command_harness_reward_from_its_last_stdout_line(tmp_path, wrap):
+    if wrap and not shutil.which("bwrap"):
+        pytest.skip("bwrap is not installed")
+    cmd = (f"{BWRAP}--ro-bind {tmp_path} {tmp_path} " if wrap else "") + _script(tmp_path, "answer = chat(sample['messages'])\n"
                             "assert os.environ['ANTHROPIC_BASE_URL'] + '/v1' == os.environ['OPENAI_BASE_URL']\n"
                             "assert os.environ['AGENTLOOP_EPISODE_ID'] == sample['episode_id']\n"
                             "print('working...')\n"
