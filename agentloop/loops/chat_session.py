@@ -64,7 +64,6 @@ _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty":
 
 @dataclass
 class _Segment:
-    index: int
     builder: TrajectoryBuilder
     keys: list[tuple[Any, ...]]
     """Message keys of the history as the API showed it (request messages + this session's answers)."""
@@ -150,8 +149,7 @@ class ChatSession:
         completion = self._answer(req, raw, end_text, out.finish_reason, len(prompt), len(out.token_ids))
         # commit: nothing above changed the session, so a refused or failed request leaves it as it was
         if seg is None:
-            seg = _Segment(len(self.segments), TrajectoryBuilder(prompt), [m.key() for m in req.messages], new_t,
-                           req.tools,
+            seg = _Segment(TrajectoryBuilder(prompt), [m.key() for m in req.messages], new_t, req.tools,
                            call_names={c.id: c.name for m in req.messages for c in m.tool_calls})
             self.segments.append(seg)
             self.m["segments"] += 1

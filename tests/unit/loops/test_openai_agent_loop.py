@@ -241,3 +241,16 @@ def test_agent_reward_reads_numbers_dicts_and_none():
     for bad in ("0.5", float("nan"), {"reward": "x"}, {"reward": 1, "o": object()}):
         with pytest.raises(AgentError):
             agent_reward(bad)
+
+
+def test_the_config_says_when_the_agent_is_missing_or_doubly_given():
+    from agentloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="set agent.entry=path.py:fn or agent.command"):
+        load_config(None, ["rollout.loop=openai_agent_loop"])
+    with pytest.raises(ConfigError, match="set agent.entry or agent.command, not both"):
+        load_config(None, ["agent.entry=a.py:f", "agent.command=\"python h.py\""])
+    with pytest.raises(ConfigError, match="must be an async function"):
+        from agentloop.loops.openai_agent import load_entry
+
+        load_entry(f"{HERE}:score")
