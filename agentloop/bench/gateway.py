@@ -141,7 +141,8 @@ async def bench_gateway_async(cfg: Config, args: argparse.Namespace, run_dir: Pa
     for side in SIDES:
         report[side] = _side(totals[side]["records"], totals[side]["wall"], totals[side]["cpu"])
     for side in SIDES[1:]:
-        report[f"ratio_{side}"] = report[side]["episodes_per_s"] / max(1e-9, report["tool_agent_loop"]["episodes_per_s"])
+        base = report["tool_agent_loop"]["episodes_per_s"]
+        report[f"ratio_{side}"] = report[side]["episodes_per_s"] / max(1e-9, base)
         report[f"ratio_{side}_median_round"] = statistics.median(r[f"ratio_{side}"] for r in report["per_round"])
         report[f"identical_{side}"] = _identical(last["tool_agent_loop"], last[side])
     return report

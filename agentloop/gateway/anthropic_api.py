@@ -167,7 +167,8 @@ def _content(c: Completion) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "text", "text": c.content}] if c.content else []
     for t in c.tool_calls:
         value = t.arguments_value()
-        blocks.append({"type": "tool_use", "id": t.id, "name": t.name, "input": value if isinstance(value, dict) else {}})
+        blocks.append({"type": "tool_use", "id": t.id, "name": t.name,
+                       "input": value if isinstance(value, dict) else {}})
     return blocks
 
 

@@ -220,8 +220,8 @@ class ChatSession:
             self.m["parse_errors"] += len(parsed.errors)
             if parsed.calls:
                 prefix = "call_" if req.api == "openai" else "toolu_"
-                calls = [ToolCall(f"{prefix}{uuid.uuid4().hex[:24]}", c.name, json.dumps(c.arguments, ensure_ascii=False))
-                         for c in parsed.calls]
+                calls = [ToolCall(f"{prefix}{uuid.uuid4().hex[:24]}", c.name,
+                                  json.dumps(c.arguments, ensure_ascii=False)) for c in parsed.calls]
                 content = parsed.content
         if not calls and finish == "stop" and not end_text:
             stop_seq = next((s for s in req.stop if raw.endswith(s)), None)
@@ -242,9 +242,10 @@ class ChatSession:
                 same = _NEUTRAL.get(k) == v
             if not same:
                 differ.append(f"{k}={v!r}")
-                log_once(f"sampling:{k}", f"openai_agent_loop: a request sets {k}={v!r}; the training policy's sampling "
-                                          f"({', '.join(f'{a}={b}' for a, b in policy.items())}) is used: requests never "
-                                          "override it (logged once per setting)")
+                knobs = ", ".join(f"{a}={b}" for a, b in policy.items())
+                log_once(f"sampling:{k}", f"openai_agent_loop: a request sets {k}={v!r}; the training policy's "
+                                          f"sampling ({knobs}) is used: requests never override it (logged once "
+                                          "per setting)")
         if differ:
             self.m["sampling_ignored"] += 1
 
