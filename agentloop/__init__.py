@@ -20,13 +20,14 @@ itself. Nothing inside the package imports this file (the public API re-exports 
     report      report/                                  progress line, step log, curves, trace pages
     models      models/                                  tiny model, warm start, model and tokenizer loading
     loops       loops/                                   agent loops and their registry
+    gateway     gateway/                                 the OpenAI/Anthropic-compatible HTTP gateway for your own agents
     data        data/                                    verl rows from files and built-in sets
     rewards     rewards/                                 reward functions by data_source
     tools       tools/                                   tools, tool-call parsers, the sandbox
     inference   inference/                               SGLang servers we launch (and the CPU op fallback)
     client      server_manager.py routing.py interrupt.py  the inference client, interrupt modes
     util        util/                                    cache, run dirs, atomic writes, registries, event loop
-    vocabulary  config.py records.py errors.py train/config.py tools/config.py tools/sandbox/limits.py rewards/config.py
+    vocabulary  config.py records.py errors.py train/config.py tools/config.py tools/sandbox/limits.py rewards/config.py gateway/config.py
 """
 
 from agentloop.config import Config, SamplingParams, load_config

@@ -10,6 +10,8 @@
                   saved config.yaml plus the values given now (model, data, algo.*, learner.* changes need --force)
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
+    agentloop bench gateway [...same flags...] [--bench-prompts N] [--bench-samples K] [--bench-rounds R]
+                          your agent through the gateway vs tool_agent_loop, episodes/s (main job's preset)
     agentloop bench train [--model PATH|tiny|qwen2.5-0.5b-shape] [--bench-sequences N] [--nproc N] ...
                           learner tok/s and MFU on synthetic batches
     agentloop bench train --run-dir RUN | --full [--full-steps 3]   time split of a train step
@@ -83,7 +85,10 @@ ROLLOUT_PRESET = "presets/rollout_main.yaml"
 
 
 def uses_main_preset(args: argparse.Namespace) -> bool:
-    """`agentloop rollout` without --config and without --random-model runs the main job's preset."""
+    """`agentloop rollout` without --config and without --random-model runs the main job's preset, and so
+    does `agentloop bench gateway` without --config (its workload: the calculator task)."""
+    if args.command == "bench" and getattr(args, "bench", None) == "gateway":
+        return args.config is None
     return args.command == "rollout" and args.config is None and not getattr(args, "random_model", False)
 
 
@@ -184,6 +189,13 @@ def make_parser() -> argparse.ArgumentParser:
     bt.add_argument("--bench-force-tools", action="store_true",
                     help="read every turn as a tool call (measures the tool path with a model that never calls)")
     bt.add_argument("--out", help="also write the report JSON here")
+    bg = bsub.add_parser("gateway", help="your agent through the gateway (openai_agent_loop) vs tool_agent_loop: "
+                                         "episodes/s on the same episodes and server")
+    _common(bg)
+    bg.add_argument("--bench-prompts", type=int, default=64, help="prompts (the first rows of the data set)")
+    bg.add_argument("--bench-samples", type=int, default=4, help="episodes per prompt")
+    bg.add_argument("--bench-rounds", type=int, default=2, help="alternating rounds per side")
+    bg.add_argument("--out", help="also write the report JSON here")
     btr = bsub.add_parser("train", help="learner tokens/s, step time, peak memory and MFU on synthetic batches "
                                         "through the real train_step; or (--run-dir/--full) a train step's time split")
     btr.add_argument("--config", help="YAML config file: its learner/algo sections configure the learner")
@@ -453,6 +465,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.bench.tools import run_bench_tools
 
         run_bench_tools(cfg, args)
+        return 0
+    if args.command == "bench" and args.bench == "gateway":
+        from agentloop.bench.gateway import run_bench_gateway
+
+        run_bench_gateway(cfg, args)
         return 0
     if args.command == "bench" and args.bench == "train":
         from agentloop.bench.train import run_bench_train

@@ -9,6 +9,7 @@ Map:
     DataConfig         where rows come from
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
+    AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
     Config             the root; `load_config(path, overrides)` builds it
     validate_for_training  the rules that hold only when rollouts train a policy (`agentloop train`):
                        one temperature for sampler and learner, no greedy, no truncated sampling
@@ -35,6 +36,7 @@ from pydantic import (
 )
 
 from agentloop.errors import ConfigError
+from agentloop.gateway.config import AgentConfig, GatewayConfig
 from agentloop.rewards.config import CodeRewardConfig, ToolRewardConfig
 from agentloop.tools.config import ToolsConfig
 from agentloop.train.config import AlgoConfig, LearnerConfig
@@ -326,11 +328,18 @@ class Config(Section):
     """What the learner optimises (advantages, PPO loss, KL, entropy)."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     """How the learner runs (optimizer, schedule, micro-batches, ranks, checkpoints)."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Your own agent, run by openai_agent_loop (entry function or command) against the gateway."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """The OpenAI/Anthropic-compatible HTTP gateway openai_agent_loop serves agents through."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
         if not self.server.urls and self.server.num_local == 0:
             raise ValueError("no servers: set server.urls or server.num_local >= 1")
+        if self.rollout.loop == "openai_agent_loop" and not (self.agent.entry or self.agent.command):
+            raise ValueError("rollout.loop=openai_agent_loop runs your agent: set agent.entry=path.py:fn "
+                             "or agent.command=\"...\"")
         return self
 
 

@@ -13,7 +13,9 @@
     │   └── AllServersDownError    no healthy server left: the run must stop
     └── EpisodeError           an episode-level failure a loop raises on purpose
         ├── PromptTooLongError the prompt does not fit the context
-        └── EpisodeTimeout     the episode ran past rollout.episode_timeout_s (the engine's)
+        ├── EpisodeTimeout     the episode ran past rollout.episode_timeout_s (the engine's)
+        └── AgentError         your agent (openai_agent_loop) crashed, answered badly or made no request
+            └── AgentTimeoutError  it ran past agent.timeout_s
 
 Inside the engine, every exception raised by an episode becomes an error record
 (type + message), except AllServersDownError, which stops the run after the records
@@ -21,8 +23,8 @@ already made are flushed. A reward that raises or times out is not an error reco
 episode scores `reward.failure_score`, counted (agentloop.rollout.scorer).
 
 Whose fault a failed episode is, for training (`failure_kind`, the one place that decides):
-    policy   the sampled output caused it: the episode ran past its timeout (too many turns, tool calls,
-             tokens). It stays in its GRPO group at `reward.failure_score`; a reward that rejected
+    policy   the sampled output caused it: the episode (or the user agent of openai_agent_loop) ran past its
+             timeout (too many turns, tool calls, tokens). It stays in its GRPO group at `reward.failure_score`; a reward that rejected
              the output (raised, timed out) already scored it so.
     infra    anything else: a server aborted the request, the retry budget ran out, every server went
              down, the loop or a plugin raised, the prompt does not fit, no reward applies. Its whole
@@ -35,7 +37,7 @@ from typing import Literal
 
 FailureKind = Literal["ok", "policy", "infra"]
 
-POLICY_ERRORS = frozenset({"EpisodeTimeout"})
+POLICY_ERRORS = frozenset({"EpisodeTimeout", "AgentTimeoutError"})
 """Error types (the `Type` of a record's `Type: message`) that the sampled output caused."""
 
 
@@ -105,3 +107,12 @@ class PromptTooLongError(EpisodeError):
 
 class EpisodeTimeout(EpisodeError):
     """The episode ran past `rollout.episode_timeout_s`; the engine keeps the turns it finished."""
+
+
+class AgentError(EpisodeError):
+    """A user agent run by openai_agent_loop failed: it raised, its command exited non-zero, its result was
+    unusable, or it never called the model."""
+
+
+class AgentTimeoutError(AgentError):
+    """A user agent ran past agent.timeout_s (it was cancelled, its process group killed)."""

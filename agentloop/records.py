@@ -3,7 +3,8 @@
     Sample           one episode's input: a verl-format row plus its identity in the run
     TokenOutput      one /generate call's result (token ids + logprobs, never text)
     AgentLoopOutput  one episode as a loop builds it; invariants checked on construction
-    EpisodeRecord    AgentLoopOutput + identity and timing, one JSON line per episode
+    EpisodeRecord    AgentLoopOutput + identity and timing, one JSON line per episode (per segment of
+                     an episode that has several)
 
 A learner reads EpisodeRecord lines; `read_records` is the one reader. `extra` must hold JSON data
 (`json_problem` names the first value that is not), so every record can be written.
@@ -154,6 +155,11 @@ class AgentLoopOutput(Record):
     server did not say). Empty when unknown (e.g. records of older runs)."""
     extra: dict[str, Any] = Field(default_factory=dict)
     """Anything else JSON-serializable a loop wants to keep (e.g. decoded text, tool trace)."""
+    segments: list["AgentLoopOutput"] = Field(default_factory=list, exclude=True)
+    """Later segments of the episode, in order, when it is not one token sequence (openai_agent_loop: the
+    agent's history stopped extending the previous one); this output is the first segment and carries the
+    episode's reward, metrics and scoring text. The engine writes one record per segment
+    (EpisodeRecord.segment), all with this output's reward. Not serialized."""
 
     @model_validator(mode="after")
     def _invariants(self) -> "AgentLoopOutput":
@@ -215,6 +221,21 @@ class EpisodeRecord(AgentLoopOutput):
     """Wall time of the episode."""
     step: int | None = None
     """Training step that produced it (None for eval-only rollouts)."""
+    segment: int = Field(default=0, ge=0)
+    """Which segment of its episode this record is: 0, or k for the (k+1)-th token sequence of an episode
+    that has several (openai_agent_loop). Segments share episode_id, group, reward and advantage; segment 0
+    carries the loop's metrics, and per-episode numbers (reward means, pass@k, turns) count it alone."""
+
+    def split_segments(self) -> list["EpisodeRecord"]:
+        """This record (segment 0) followed by one record per later segment, each with this record's
+        identity, reward and error (itself alone when it has no later segments)."""
+        if not self.segments:
+            return [self]
+        shared = self.model_dump(include={"reward", "error", "reward_info", "episode_id", "index", "uid", "repeat",
+                                          "data_source", "loop", "seed", "ground_truth", "wall_s", "step"})
+        later = [EpisodeRecord(**seg.model_dump(exclude={"reward", "error"}), **shared, segment=i)
+                 for i, seg in enumerate(self.segments, 1)]
+        return [self.model_copy(update={"segments": []}), *later]
 
 
 def write_record(fh, record: BaseModel) -> None:

@@ -16,6 +16,7 @@ Map:
     finish_update              after an update, before resume: the flush the interrupt mode needs
                                (agentloop.interrupt), with a fallback where a server refuses it
     gauges                     `server/...` numbers for progress lines and metrics
+    on_close                   what lives as long as the manager and serves through it (the agent gateway)
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
@@ -211,6 +212,7 @@ class ServerManager:
         self._down_since: float | None = None
         self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
+        self._closers: list[Callable[[], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -232,7 +234,17 @@ class ServerManager:
             self._answered_at = [time.monotonic()] * len(self.urls)
             self._health_task = asyncio.create_task(self._health_loop(), name="server-health")
 
+    def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Await `fn()` first thing when the manager closes: what lives as long as it and serves through it
+        (the agent gateway) is closed before the manager stops answering."""
+        if self._closed:
+            raise ServerError("ServerManager is closed")
+        self._closers.append(fn)
+
     async def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for fn in reversed(closers):
+            await fn()
         self._closed = True
         if self._paused and self._session is not None:
             # The run is ending while servers are paused (an exception, Ctrl-C, the learner's death):

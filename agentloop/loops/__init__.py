@@ -5,14 +5,18 @@ and register it with `register_agent_loop("name", Cls)` (or as a class decorator
     base.py         AgentLoopBase (generate, chat template) and TrajectoryBuilder (ids, mask, logprobs)
     single_turn.py  single_turn_agent_loop
     tool_agent.py   tool_agent_loop: generate, parse calls, run tools, append their tokens, repeat
+    openai_agent.py openai_agent_loop: your own agent (any SDK or command) through the gateway (agentloop.gateway)
+    chat_session.py the gateway session of one episode: requests -> exact token ids, segments
+    agent_command.py an agent command per episode: process group, deadline, output tail
     search_r1.py    search_r1_agent_loop: Search-R1's <search>/<information>/<answer> protocol
     template.py     chat-template diffing (append-only check, the turn suffix, glue vs content of new messages)
     env_tokens.py   environment text as plain text: no control token (`<|im_end|>`...) can come out of it
 
-May import: the vocabulary, util, the client (server_manager) and tools.
+May import: the vocabulary, util, the client (server_manager), tools and the gateway.
 """
 
 from agentloop.loops import (
+           openai_agent,  # noqa: F401 - registers openai_agent_loop
            search_r1,  # noqa: F401 - registers search_r1_agent_loop
            single_turn,  # noqa: F401 - registers single_turn_agent_loop
            tool_agent,  # noqa: F401 - registers tool_agent_loop

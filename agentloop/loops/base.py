@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from agentloop.config import Config, SamplingParams, derive_seed
 from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.loops.env_tokens import encode_env_text
+from agentloop.loops.template import TemplateInfo, template_info
 from agentloop.records import AgentLoopOutput, Sample, TokenOutput
 
 if TYPE_CHECKING:
@@ -186,6 +187,17 @@ class AgentLoopBase(ABC):
             raise ConfigError(f"data.apply_chat_template=false needs a prompt of exactly one text message, "
                               f"got {len(messages)} messages")
         return list(self.tokenizer.encode(messages[0]["content"], add_special_tokens=False))
+
+    def template_info(self, *, check: bool = True) -> TemplateInfo:
+        """The chat template's turn suffix, measured once per template (with `check`, the template is also
+        verified append-only for tool turns: ConfigError if not). Multi-turn loops need it to splice turns."""
+        tmpl = getattr(self.tokenizer, "chat_template", None)
+        key = f"{type(self.tokenizer).__name__}:{getattr(self.tokenizer, 'name_or_path', '')}:{hash(str(tmpl))}"
+
+        def render(messages: list[dict[str, Any]], tools: list[dict] | None, gen: bool) -> str:
+            return self.render_chat(messages, tools=tools, add_generation_prompt=gen)
+
+        return template_info(render, check=check, cache_key=key)
 
     def encode_env(self, text: str) -> list[int]:
         """Token ids of environment text for `TrajectoryBuilder.add_env`: read as plain text, so a tool

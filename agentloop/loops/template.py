@@ -4,6 +4,7 @@ text new messages add, split into template glue and message content.
 
     TemplateInfo    the measured turn suffix
     template_info   render a probe conversation four ways, check each rendering extends the previous one
+    turn_text       a model turn's text split into the assistant content and the end token it emitted
     env_segments    the text appended by new (tool/environment) messages as glue and content segments,
                     found by rendering their contents as placeholders (see env_tokens for why)
 """
@@ -84,6 +85,22 @@ def template_info(render, *, check: bool = True, cache_key: str | None = None) -
         _TEMPLATE_CACHE[cache_key] = info
     return info
 
+
+
+def turn_text(decode: Callable[[list[int]], str], token_ids: list[int], finish_reason: str,
+              info: TemplateInfo) -> tuple[str, str]:
+    """(content, end_text) of a model turn: `end_text` is the end-of-turn token the model emitted (its
+    decoded last token when the turn stopped on it and the template's turn suffix starts with it, e.g.
+    "<|im_end|>"; else ""), `content` the text before it: the assistant message to give the template.
+    The environment tokens after the turn then start with `info.turn_suffix[len(end_text):]`, so the
+    suffix appears exactly once whether the model wrote its end token or was cut off."""
+    text = decode(token_ids)
+    end_text = ""
+    if finish_reason == "stop" and token_ids:
+        last = decode(token_ids[-1:])
+        if last and info.turn_suffix.startswith(last) and text.endswith(last):
+            end_text = last
+    return text[:len(text) - len(end_text)], end_text
 
 
 _PLACEHOLDER = "\ue000agentloop-env-{}-" + secrets.token_hex(4) + "\ue001"

@@ -57,7 +57,7 @@ from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.loops.env_tokens import encode_segments
 from agentloop.loops.registry import register_agent_loop
-from agentloop.loops.template import TemplateInfo, env_segments, template_info
+from agentloop.loops.template import TemplateInfo, env_segments, turn_text
 from agentloop.records import AgentLoopOutput, Sample
 from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.config import ToolsConfig
@@ -92,9 +92,7 @@ class ToolAgentLoop(AgentLoopBase):
         return self.render_chat(messages, tools=tools, add_generation_prompt=gen)
 
     def _template_info(self) -> TemplateInfo:
-        tmpl = getattr(self.tokenizer, "chat_template", None)
-        key = f"{type(self.tokenizer).__name__}:{getattr(self.tokenizer, 'name_or_path', '')}:{hash(str(tmpl))}"
-        return template_info(self._render, check=self.tools_config.check_template, cache_key=key)
+        return self.template_info(check=self.tools_config.check_template)
 
     def _episode_tools(self, sample: Sample) -> tuple[dict[str, BaseTool], dict[str, dict[str, Any]]]:
         """The episode's tools and each one's create kwargs. A verl tool config's tools come first, offered to
@@ -167,13 +165,7 @@ class ToolAgentLoop(AgentLoopBase):
                 c.add("gen_time_s", time.monotonic() - t0)
                 c.add("turns")
                 traj.add_model(out)
-                text = self.decode(out.token_ids)
-                end_text = ""
-                if out.finish_reason == "stop" and out.token_ids:
-                    last = self.decode(out.token_ids[-1:])
-                    if last and info.turn_suffix.startswith(last) and text.endswith(last):
-                        end_text = last
-                content = text[:len(text) - len(end_text)]
+                content, end_text = turn_text(self.decode, out.token_ids, out.finish_reason, info)
                 messages.append({"role": "assistant", "content": content})
                 if out.finish_reason == "abort":
                     finish = "abort"

@@ -14,7 +14,7 @@ Scoring lives in `scorer.py`, the summary numbers in `summary.py`, the progress 
 Every episode, whichever path runs it, holds one of the engine's `rollout.max_concurrency` slots.
 
 Invariants. `run`: every (sample, repeat) handed to it comes out exactly once, as a record (result
-or error), or is counted in `not_started` when the run stops early because every server died.
+or error; an episode of several segments as one record per segment, `segment` 0 first), or is counted in `not_started` when the run stops early because every server died.
 Records are passed to `on_record` (the writer) as soon as they exist, so a stopped run keeps them.
 `GroupStream`: every submitted group comes out of `next()` exactly once, complete (one record per
 episode, results and error records) or cancelled (with the reason, its episodes counted, none of its
@@ -70,7 +70,8 @@ class GroupOutcome(BaseModel):
     sample: Sample
     """The dispatched prompt (repeat 0); its `uid` is the group key."""
     records: list[EpisodeRecord] = Field(default_factory=list)
-    """One record per episode, in repeat order (empty when cancelled)."""
+    """One record per episode (per segment of an episode that has several), in repeat order (empty when
+    cancelled)."""
     cancelled: str | None = None
     """Why the group was cancelled (None: complete)."""
     n: int
@@ -173,7 +174,7 @@ class RolloutEngine:
             await self.lag.stop()
         wall = time.monotonic() - t0
         result.summary = summarize(result.records, n, wall)
-        result.summary["not_started"] = total - len(result.records)
+        result.summary["not_started"] = total - sum(r.segment == 0 for r in result.records)
         result.summary.update(self.lag.gauges())
         result.summary.update({k: v for k, v in self.sm.gauges().items() if k.count("/") == 1})
         result.stopped = stream.stopped
@@ -245,7 +246,7 @@ class RolloutEngine:
             reward=reward, error=error, reward_info=info,
             episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
             data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__, seed=sp.seed or 0,
-            ground_truth=sample.ground_truth, wall_s=time.monotonic() - t0, step=step,
+            ground_truth=sample.ground_truth, wall_s=time.monotonic() - t0, step=step, segments=out.segments,
         )
 
     def _timeout_record(self, sample: Sample, built: list[TrajectoryBuilder], step: int | None,
@@ -284,11 +285,11 @@ class RolloutEngine:
 
     def _print_progress(self, result: RolloutResult, total: int, t0: float, final: bool = False) -> None:
         recs = result.records
-        done = len(recs)
+        done = sum(r.segment == 0 for r in recs)
         wall = max(1e-9, time.monotonic() - t0)
         toks = sum(r.num_model_tokens for r in recs)
-        rewards = [r.reward for r in recs if r.reward is not None]
-        errs = sum(r.error is not None for r in recs)
+        rewards = [r.reward for r in recs if r.reward is not None and r.segment == 0]
+        errs = sum(r.error is not None and r.segment == 0 for r in recs)
         g = self.sm.gauges()
         lag = self.lag.gauges()
         fields = [f"{toks / wall:,.0f} tok/s", f"errors {errs}", f"inflight {int(g['server/inflight'])}",
@@ -414,8 +415,8 @@ class GroupStream:
                for r in range(n)]
         outcome: GroupOutcome | None = None
         try:
-            records = await asyncio.gather(*eps)
-            outcome = GroupOutcome(sample=sample, records=list(records), n=n, submitted_version=self._versions[uid])
+            records = [r for segments in await asyncio.gather(*eps) for r in segments]
+            outcome = GroupOutcome(sample=sample, records=records, n=n, submitted_version=self._versions[uid])
             self.counts["completed"] += 1
         except (asyncio.CancelledError, Exception) as e:
             # Cancelled, or a failure no record can hold (the record sink failed): the group comes out
@@ -436,7 +437,7 @@ class GroupStream:
             self._started.pop(uid, None)
             self._done.put_nowait(outcome)
 
-    async def _episode(self, uid: int, sample: Sample) -> EpisodeRecord:
+    async def _episode(self, uid: int, sample: Sample) -> list[EpisodeRecord]:
         async with self.engine._slots:
             if self.stopped:  # nothing can finish any more (servers down, sink failed): never started
                 raise asyncio.CancelledError
@@ -450,10 +451,15 @@ class GroupStream:
                 rec = self.engine._error_record(sample, e, self.step, 0.0)
             except Exception as e:  # noqa: BLE001 - the engine's last resort: one record per episode, always
                 rec = self.engine._error_record(sample, e, self.step, 0.0)
+        try:
+            records = rec.split_segments()  # one record per segment of the episode (most have one)
+        except Exception as e:  # noqa: BLE001 - segments that make no record: the episode's failure, as a record
+            records = [self.engine._error_record(sample, e, self.step, 0.0)]
         if self.on_episode is not None:
             try:
-                await self.on_episode(rec)
+                for r in records:
+                    await self.on_episode(r)
             except Exception as e:  # the sink (the record writer) failed: no later record could be kept either
                 self._stop(f"the record sink failed: {type(e).__name__}: {e}", but=uid)
                 raise
-        return rec
+        return records

@@ -69,6 +69,8 @@ def summarize_groups(
 
 
 def summarize(records: list[EpisodeRecord], n_samples: int, wall_s: float) -> dict[str, Any]:
+    """Per-episode numbers count each episode once (its segment-0 record); token numbers count every record."""
+    all_records, records = records, [r for r in records if r.segment == 0]
     ok = [r for r in records if r.error is None]
     errors = Counter((r.error or "").split(":", 1)[0] for r in records if r.error is not None)
     rewards = [r.reward for r in ok if r.reward is not None]
@@ -82,9 +84,10 @@ def summarize(records: list[EpisodeRecord], n_samples: int, wall_s: float) -> di
         vals = [pass_at_k(len(v), sum(x >= 1.0 - 1e-9 for x in v), k) for v in groups.values() if len(v) >= k]
         if vals:
             pass_k[f"pass@{k}"] = sum(vals) / len(vals)
-    out_tokens = sum(r.num_model_tokens for r in records)
+    out_tokens = sum(r.num_model_tokens for r in all_records)
     return {
         "episodes": len(records),
+        "records": len(all_records),
         "errors": sum(errors.values()),
         "errors_by_type": dict(errors),
         # scored at reward.failure_score, not error records: the reward raised / ran past reward.timeout_s

@@ -63,7 +63,7 @@ import torch
 
 from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
-from agentloop.train.advantages import compute_advantages, group_ids
+from agentloop.train.advantages import Advantages, compute_advantages, group_ids
 from agentloop.train.config import AlgoConfig, LossAggMode
 from agentloop.train.flops import RowCost
 from agentloop.train.losses import token_weights
@@ -118,18 +118,28 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
     A policy failure (agentloop.errors.failure_kind: an episode timeout) that the orchestrator scored at
     `reward.failure_score` stays: it takes part in its group's baseline, and in the loss with the
     tokens it sampled. Episodes without model tokens (or without any tokens) take part in their group's
-    baseline but not in the loss.
+    baseline but not in the loss. An episode of several segments (records sharing its episode_id,
+    openai_agent_loop) is one episode to the estimator (its reward counted once in the group's baseline,
+    its length the sum of theirs); each segment is then a sequence of the loss with the episode's advantage
+    (so under token-mean every model token weighs the same, under seq-mean-* each segment counts as a
+    sequence). (`algo.use_kl_in_reward` re-estimates per record: there each segment counts as an episode.)
     """
     ok = [r for r in records if r.reward is not None and failure_kind(r.error, r.finish_reason) != "infra"]
     kept = {id(r) for r in ok}
     failed = sum(1 for r in records if r.error is not None and id(r) not in kept)
-    groups = group_ids([("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok])
-    adv = compute_advantages(
-        [float(r.reward) for r in ok],
-        groups,
-        [r.num_model_tokens for r in ok],
-        algo,
-    )
+    group = [("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok]
+    groups = group_ids(group)
+    episodes: dict[tuple[object, str], list[int]] = {}  # (group, episode id) -> its records in `ok`
+    for i, (g, r) in enumerate(zip(group, ok)):
+        episodes.setdefault((g, r.episode_id), []).append(i)
+    per_episode = compute_advantages([float(ok[idx[0]].reward) for idx in episodes.values()],
+                                     group_ids([g for g, _ in episodes]),
+                                     [sum(ok[i].num_model_tokens for i in idx) for idx in episodes.values()], algo)
+    which = torch.zeros(len(ok), dtype=torch.int64)
+    for e, idx in enumerate(episodes.values()):
+        which[idx] = e
+    adv = Advantages(values=per_episode.values[which], keep=per_episode.keep[which],
+                     zero_variance=per_episode.zero_variance[which])
     entered = [bool(k) and r.num_model_tokens > 0 and bool(r.prompt_ids) for r, k in zip(ok, adv.keep.tolist())]
     ok_episode, n = [], 0
     for e in entered:

@@ -97,6 +97,8 @@ giving out again a prompt whose group failed for an infrastructure cause."""
 
 
 def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, float]:
+    """Per-episode numbers; an episode of several segments (openai_agent_loop) counts once, its tokens all."""
+    segments, records = records, [r for r in records if r.segment == 0]
     ok = [r for r in records if r.error is None and r.reward is not None]
     n = max(1, len(ok))
     m: dict[str, float] = {
@@ -105,9 +107,9 @@ def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, floa
         f"{prefix}/errors": float(sum(r.error is not None for r in records)),
         f"{prefix}/aborted": float(sum(r.error is None and r.finish_reason == "abort" for r in records)),
         f"{prefix}/episodes": float(len(records)),
-        f"{prefix}/response_tokens": sum(len(r.response_ids) for r in records) / max(1, len(records)),
-        f"{prefix}/model_tokens": sum(r.num_model_tokens for r in records) / max(1, len(records)),
-        f"{prefix}/turns": sum(r.num_turns for r in records) / max(1, len(records)),
+        f"{prefix}/response_tokens": sum(len(r.response_ids) for r in segments) / max(1, len(records)),
+        f"{prefix}/model_tokens": sum(r.num_model_tokens for r in segments) / max(1, len(records)),
+        f"{prefix}/turns": sum(r.num_turns for r in segments) / max(1, len(records)),
         f"{prefix}/reward_errors": float(sum(r.metrics.get("reward_errors", 0) for r in records)),
         f"{prefix}/reward_timeouts": float(sum(r.metrics.get("reward_timeouts", 0) for r in records)),
     }

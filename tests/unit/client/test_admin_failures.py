@@ -115,4 +115,5 @@ def test_a_weight_push_goes_on_when_one_server_fails_the_pause(tmp_path: Path):
 
     a_paused, b_paused, va, vb, a_admin = run(main())
     assert not a_paused and not b_paused and va == vb == "1"
-    assert a_admin[-3:] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    # retract: no flush inside the update, /flush_cache right after it (agentloop.interrupt)
+    assert a_admin[-4:] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache", "/continue_generation"]

@@ -117,6 +117,21 @@ def test_prepare_episodes_excludes_failed_and_groups_by_step_and_index():
     assert p.episodes[0].prompt_len == 3
 
 
+def test_segments_of_an_episode_share_its_advantage_and_count_once_in_the_baseline():
+    """Episode 0-0 has two segments (reward 1), 0-1 one (reward 0): the group's mean is 0.5, not 2/3, and
+    both segments of 0-0 get the episode's advantage."""
+    second = _rec(0, 0, 1.0, mask=(1, 1)).model_copy(update={"segment": 1, "prompt_ids": [9, 9]})
+    recs = [_rec(0, 0, 1.0), second, _rec(0, 1, 0.0)]
+    p = prepare_episodes(recs, AlgoConfig(norm_adv_by_std=False))
+    assert [e.advantage for e in p.episodes] == [0.5, 0.5, -0.5]
+    assert p.episodes[1].ids == [9, 9, 4, 5] and p.metrics["batch/episodes"] == 3.0
+    # token-level estimators see the episode's model tokens summed over its segments (3 + 2 vs 3)
+    rpp = prepare_episodes(recs, AlgoConfig(estimator="reinforce_pp", adv_eps=1e-12))
+    mean = (1.0 * 5 + 0.0 * 3) / 8
+    std = math.sqrt((5 * (1 - mean) ** 2 + 3 * mean ** 2) / 8)
+    assert [e.advantage for e in rpp.episodes] == pytest.approx([(1 - mean) / std] * 2 + [-mean / std])
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         AlgoConfig(loss_agg_mode="mean")

@@ -13,7 +13,7 @@ from agentloop.records import EpisodeRecord
 from agentloop.train.batching import prepare_episodes
 from agentloop.train.config import AlgoConfig
 from agentloop.train.mailbox import MailboxClient
-from agentloop.train.orchestrator import Trainer, TrainingError, trainable
+from agentloop.train.orchestrator import Trainer, TrainingError, rollout_metrics, trainable
 
 
 def _rec(uid: int, repeat: int, versions: list[int], *, reward: float | None = 1.0, error: str | None = None,
@@ -100,6 +100,8 @@ def test_failure_kinds():
     assert failure_kind(None, "stop") == failure_kind(None, "length") == "ok"
     assert failure_kind("EpisodeTimeout: episode exceeded rollout.episode_timeout_s=5", "timeout") == "policy"
     assert failure_kind(None, "abort") == "infra"  # a server abort the manager did not continue
+    assert failure_kind("AgentTimeoutError: the agent ran past agent.timeout_s=5", "error") == "policy"
+    assert failure_kind("AgentError: the command exited with 1", "error") == "infra"
     for err in ("RetryBudgetExhausted: generate failed after 5 attempts", "AllServersDownError: all down",
                 "ValueError: BadLoop returned extra['x'] is a set, not JSON data", "RewardError: no reward registered",
                 "PromptTooLongError: prompt of 9000 tokens", "TimeoutError: a tool's own timeout"):
@@ -135,3 +137,11 @@ def test_a_server_aborted_episode_drops_its_group(tmp_path):
     recs = [_rec(5, 0, [0]), _rec(5, 1, [0], reward=None, finish="abort"), _rec(6, 0, [0]), _rec(6, 1, [0], reward=0.0)]
     usable, checks = _trainer(tmp_path).batch_records(1, recs)
     assert [(r.uid, r.repeat) for r in usable] == [(6, 0), (6, 1)] and checks["train/groups_dropped_infra"] == 1
+
+def test_step_metrics_count_an_episode_of_several_segments_once():
+    """openai_agent_loop writes an episode of two segments as two records: one episode, all its tokens."""
+    a0, b = _rec(0, 0, [0, 0], reward=1.0), _rec(0, 1, [0], reward=0.0)
+    a1 = a0.model_copy(update={"segment": 1, "num_turns": 1})
+    m = rollout_metrics([a0, a1, b], "train")
+    assert (m["train/episodes"], m["train/reward"]) == (2.0, 0.5)
+    assert (m["train/model_tokens"], m["train/turns"]) == ((2 + 2 + 1) / 2, (1 + 1 + 1) / 2)

@@ -1,0 +1,57 @@
+"""AgentConfig and GatewayConfig: settings of `openai_agent_loop` (mounted as `config.agent`) and of the
+HTTP gateway it serves user agents through (`config.gateway`). Vocabulary: imports pydantic only."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class AgentConfig(_Section):
+    entry: str | None = None
+    """`path/to/file.py:fn` or `package.module:fn`: `async def fn(sample, base_url, api_key)` run in this
+    process once per episode; it returns a reward (float), a dict ({"reward": x, ...}) or None (the
+    data_source's reward then scores the last assistant message). Must not block the event loop."""
+    command: str | None = None
+    """A shell command run once per episode in its own process group (any language, any SDK) with
+    OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY and AGENTLOOP_EPISODE_ID set
+    and the sample as JSON on stdin; its stdout's last line, when a JSON object, may carry {"reward": x}.
+    No isolation beyond the process group (wrap it, e.g. in bwrap, for more). Exclusive with `entry`."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Wall-time limit of one agent run; past it the agent is cancelled (its process group killed) and the
+    episode becomes an error record."""
+    max_concurrency: int | None = Field(default=None, ge=1)
+    """Agents running at once in this process (None: rollout.max_concurrency bounds them)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables of a `command` (on top of this process's environment)."""
+    cwd: str | None = None
+    """Working directory of a `command` (None: this process's)."""
+    max_tokens_per_call: int | None = Field(default=None, ge=1)
+    """New-token cap of one model request (None: sampling.max_new_tokens). A request's own max_tokens may
+    only lower it; the model's context always bounds it."""
+    output_limit_bytes: int = Field(default=1 << 20, ge=1024)
+    """A `command`'s stdout and stderr are kept up to this many trailing bytes each (the last line is the
+    result; the stderr tail goes into the error message)."""
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "AgentConfig":
+        if self.entry and self.command:
+            raise ValueError("set agent.entry or agent.command, not both")
+        return self
+
+
+class GatewayConfig(_Section):
+    host: str = "127.0.0.1"
+    """Interface the gateway listens on (keep it local: the per-episode key is its only access control)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the gateway; 0 picks a free one at start."""
+    max_request_mb: float = Field(default=64.0, gt=0)
+    """Largest request body accepted (a bigger one is answered 413)."""
+    shutdown_timeout_s: float = Field(default=5.0, gt=0)
+    """Grace given to open connections when the gateway closes at the end of the run."""
+
+
+__all__ = ["AgentConfig", "GatewayConfig"]

@@ -1,0 +1,256 @@
+"""openai_agent_loop through the engine, the real gateway and a real ServerManager over the scripted fake server:
+rewards, segments as records, error records for agents that crash, hang, answer badly or never call; command
+mode with its process group; a weight update in the middle of a gateway request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from agentloop.config import ManagerConfig, load_config
+from agentloop.loops.openai_agent import OpenAIAgentLoop, agent_reward
+from agentloop.errors import AgentError
+from agentloop.records import EpisodeRecord, Sample
+from agentloop.rollout.engine import RolloutEngine
+from agentloop.rollout.summary import summarize
+from agentloop.server_manager import ServerManager
+from tests.fakes.fake_sglang import FakeSGLang
+from tests.unit.loops.test_tool_loop import get_tokenizer
+
+HERE = "tests.unit.loops.test_openai_agent_loop"
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+async def chat(base_url: str, api_key: str, messages: list, **extra) -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base_url}/chat/completions", json={"model": "m", "messages": messages, **extra},
+                             headers={"Authorization": f"Bearer {api_key}"}) as r:
+            body = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {body['error']['message']}")
+            return body
+
+
+# ---------------------------------------------------------------- agents (agent.entry=tests.unit...:NAME)
+
+async def two_turns(sample, base_url, api_key):
+    messages = list(sample.messages)
+    first = await chat(base_url, api_key, messages)
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "go on"}]
+    await chat(base_url, api_key, messages)
+    return 0.5
+
+
+async def compacting(sample, base_url, api_key):
+    await chat(base_url, api_key, list(sample.messages))
+    await chat(base_url, api_key, [SYSTEM, {"role": "user", "content": "summary of the work so far"}])
+    return {"reward": 1.0, "note": "compacted"}
+
+
+async def unrewarded(sample, base_url, api_key):
+    await chat(base_url, api_key, list(sample.messages))
+
+
+async def raises(sample, base_url, api_key):
+    await chat(base_url, api_key, list(sample.messages))
+    raise ValueError("harness bug")
+
+
+async def hangs(sample, base_url, api_key):
+    await chat(base_url, api_key, list(sample.messages))
+    await asyncio.Event().wait()
+
+
+async def silent(sample, base_url, api_key):
+    return 1.0
+
+
+async def malformed(sample, base_url, api_key):
+    await chat(base_url, api_key, [])
+
+
+async def long_call(sample, base_url, api_key):
+    return (await chat(base_url, api_key, list(sample.messages), max_tokens=40))["usage"]["completion_tokens"]
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.25, "seen": solution_str}
+
+
+# ---------------------------------------------------------------- running them
+
+def samples(n: int = 2) -> list[Sample]:
+    return [Sample(index=i, uid=10 + i, data_source="t", messages=[SYSTEM, {"role": "user", "content": f"q{i}"}])
+            for i in range(n)]
+
+
+def run_engine(entry: str | None = None, *extra: str, n: int = 2, command: str | None = None, fake_kw=None,
+               during=None) -> tuple[list[EpisodeRecord], FakeSGLang]:
+    async def main():
+        fake = await FakeSGLang(vocab=500, **(fake_kw or {})).start()
+        try:
+            agent = [f"agent.entry={entry}"] if entry else [f"agent.command={json.dumps(command)}"]
+            cfg = load_config(None, [f"server.urls=[\"{fake.url}\"]", "rollout.loop=openai_agent_loop",
+                                     "sampling.max_new_tokens=6", *agent, *extra])
+            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+                engine = RolloutEngine(cfg, sm, get_tokenizer("modelzoo"), OpenAIAgentLoop, progress=False)
+                task = asyncio.create_task(engine.run(samples(), n_samples=n))
+                if during is not None:
+                    await during(sm, fake)
+                return (await task).records, fake
+        finally:
+            await fake.stop()
+
+    return asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def by_error(records):
+    return sorted((r.error or "").split(":")[0] for r in records)
+
+
+def test_reward_turns_and_tokens_of_an_in_process_agent():
+    recs, fake = run_engine(f"{HERE}:two_turns")
+    assert len(recs) == 4 and all(r.error is None and r.reward == 0.5 and r.num_turns == 2 for r in recs)
+    for r in recs:
+        assert r.loop == "openai_agent_loop" and r.segment == 0 and r.metrics["requests"] == 2
+        runs = [r.response_mask[0]] + [b for a, b in zip(r.response_mask, r.response_mask[1:]) if a != b]
+        assert runs == [1, 0, 1] and set(r.token_versions[i] for i, m in enumerate(r.response_mask) if m) == {0}
+        # the second generate call read the first turn's ids as the fake sampled them
+        second = [q["input_ids"] for q in fake.requests if q["input_ids"][:len(r.prompt_ids)] == r.prompt_ids
+                  and len(q["input_ids"]) > len(r.prompt_ids)]
+        assert any(ids == (r.prompt_ids + r.response_ids)[:len(ids)] for ids in second)
+
+
+def test_segments_become_records_of_one_episode():
+    recs, _ = run_engine(f"{HERE}:compacting")
+    assert len(recs) == 8
+    for ep in {r.episode_id for r in recs}:
+        first, second = sorted((r for r in recs if r.episode_id == ep), key=lambda r: r.segment)
+        assert (first.segment, second.segment) == (0, 1) and first.reward == second.reward == 1.0
+        assert (first.uid, first.repeat) == (second.uid, second.repeat) and first.prompt_ids != second.prompt_ids
+        assert first.metrics["segments"] == 2 and first.extra["agent_result"] == {"note": "compacted"}
+        assert "summary of the work so far" in get_tokenizer("modelzoo").decode(second.prompt_ids)
+    s = summarize(recs, 2, 1.0)
+    assert (s["episodes"], s["records"], s["mean_reward"]) == (4, 8, 1.0)
+
+
+def test_without_a_reward_the_last_assistant_message_is_scored(tmp_path):
+    recs, _ = run_engine(f"{HERE}:unrewarded", f"reward.custom=\"{Path(__file__)}:score\"")
+    tok = get_tokenizer("modelzoo")
+    for r in recs:
+        assert r.reward == 0.25
+        text = tok.decode(r.response_ids)
+        assert r.reward_info["seen"] == r.extra["solution_str"] and text.startswith(r.extra["solution_str"])
+
+
+@pytest.mark.parametrize("agent,error,text", [
+    ("raises", "AgentError", "raised ValueError: harness bug"),
+    ("hangs", "AgentTimeoutError", "agent.timeout_s=0.5"),
+    ("silent", "AgentError", "made no model request"),
+    ("malformed", "AgentError", "HTTP 400: 'messages' must be a non-empty list"),
+])
+def test_failing_agents_become_error_records(agent, error, text):
+    recs, _ = run_engine(f"{HERE}:{agent}", "agent.timeout_s=0.5")
+    assert len(recs) == 4 and by_error(recs) == [error] * 4
+    assert all(text in r.error and r.finish_reason == "error" and r.reward is None for r in recs)
+
+
+def _script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "harness.py"
+    path.write_text("import json, os, sys, subprocess, urllib.request\n"
+                    "sample = json.loads(sys.stdin.read())\n"
+                    "def chat(messages):\n"
+                    "    req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions',\n"
+                    "        data=json.dumps({'model': 'm', 'messages': messages}).encode(),\n"
+                    "        headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'],\n"
+                    "                 'Content-Type': 'application/json'})\n"
+                    "    return json.loads(urllib.request.urlopen(req, timeout=60).read())\n" + body)
+    return f"{sys.executable} {path}"
+
+
+BWRAP = "bwrap --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp --unshare-pid --die-with-parent "
+"""The README's example of wrapping a command (read-only filesystem, own pid namespace, network shared)."""
+
+
+@pytest.mark.parametrize("wrap", ["", "bwrap"])
+def test_command_harness_reward_from_its_last_stdout_line(tmp_path, wrap):
+    if wrap and not shutil.which("bwrap"):
+        pytest.skip("bwrap is not installed")
+    cmd = (f"{BWRAP}--ro-bind {tmp_path} {tmp_path} " if wrap else "") + _script(tmp_path, "answer = chat(sample['messages'])\n"
+                            "assert os.environ['ANTHROPIC_BASE_URL'] + '/v1' == os.environ['OPENAI_BASE_URL']\n"
+                            "assert os.environ['AGENTLOOP_EPISODE_ID'] == sample['episode_id']\n"
+                            "print('working...')\n"
+                            "print(json.dumps({'reward': 0.75, 'turns': 1}))\n")
+    recs, _ = run_engine(None, command=cmd)
+    assert all(r.error is None and r.reward == 0.75 and r.extra["agent_result"] == {"turns": 1} for r in recs)
+
+
+@pytest.mark.parametrize("body,error,text", [
+    ("chat(sample['messages'])\nsys.stderr.write('boom')\nsys.exit(3)\n", "AgentError", "exited with code 3; stderr tail: 'boom'"),
+    ("chat(sample['messages'])\nprint('{oops')\n", "AgentError", "looks like JSON but is not"),
+    ("chat(sample['messages'])\nprint(json.dumps({'reward': 'high'}))\n", "AgentError", "must be a finite number"),
+])
+def test_command_harness_that_crashes_or_answers_badly(tmp_path, body, error, text):
+    recs, _ = run_engine(None, command=_script(tmp_path, body))
+    assert by_error(recs) == [error] * 4 and all(text in r.error for r in recs)
+
+
+def test_hanging_command_is_killed_with_its_process_group(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    cmd = _script(tmp_path, "chat(sample['messages'])\n"
+                            "child = subprocess.Popen(['sleep', '600'])\n"
+                            f"open({str(pids)!r} + '/' + str(child.pid), 'w').close()\n"
+                            "child.wait()\n")
+    recs, _ = run_engine(None, "agent.timeout_s=1.5", command=cmd)
+    assert by_error(recs) == ["AgentTimeoutError"] * 4
+    children = [int(p.name) for p in pids.iterdir()]
+    assert len(children) == 4
+    for pid in children:  # killed with the group: gone, or a zombie waiting for init to reap it
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split(") ")[1][0] in "ZX", pid
+
+
+def test_a_weight_update_in_the_middle_of_a_gateway_request():
+    async def update_midway(sm, fake):
+        await fake.started.wait()
+        await sm.pause(mode="abort")
+        await sm.update_weights_from_disk("/w", weight_version=1)
+        await sm.resume()
+        sm.expect_version(1)
+
+    recs, fake = run_engine(f"{HERE}:long_call", "sampling.max_new_tokens=40", "sampling.ignore_eos=true", n=1,
+                            fake_kw={"token_delay_s": 0.01}, during=update_midway)
+    interrupted = [r for r in recs if r.metrics.get("interrupted_calls")]
+    assert interrupted, "no request was cut by the update"
+    for r in recs:  # the agent got one answer of 40 tokens; the record's tokens carry the version that made each
+        assert r.error is None and r.reward == 40.0 and r.num_model_tokens == 40
+        assert r.token_versions == sorted(r.token_versions) and set(r.token_versions) <= {0, 1}
+    assert all(set(r.token_versions) == {0, 1} for r in interrupted)
+
+
+def test_agent_reward_reads_numbers_dicts_and_none():
+    assert agent_reward(None) == (None, {}) and agent_reward(1) == (1.0, {}) and agent_reward(True) == (1.0, {})
+    assert agent_reward({"reward": 0.5, "k": [1]}) == (0.5, {"agent_result": {"k": [1]}})
+    for bad in ("0.5", float("nan"), {"reward": "x"}, {"reward": 1, "o": object()}):
+        with pytest.raises(AgentError):
+            agent_reward(bad)
+
+
+def test_the_config_says_when_the_agent_is_missing_or_doubly_given():
+    from agentloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="set agent.entry=path.py:fn or agent.command"):
+        load_config(None, ["rollout.loop=openai_agent_loop"])
+    with pytest.raises(ConfigError, match="set agent.entry or agent.command, not both"):
+        load_config(None, ["agent.entry=a.py:f", "agent.command=\"python h.py\""])
+    with pytest.raises(ConfigError, match="must be an async function"):
+        from agentloop.loops.openai_agent import load_entry
+
+        load_entry(f"{HERE}:score")
