@@ -449,7 +449,8 @@ def _format_validation(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})" if e["type"] != "extra_forbidden" else f"  {loc}: {msg}")
+        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})" if e["type"] != "extra_forbidden"
+                     else f"  {loc}: {msg}")
     return "\n".join(lines)
 
 

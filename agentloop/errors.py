@@ -24,8 +24,8 @@ episode scores `reward.failure_score`, counted (agentloop.rollout.scorer).
 
 Whose fault a failed episode is, for training (`failure_kind`, the one place that decides):
     policy   the sampled output caused it: the episode (or the user agent of openai_agent_loop) ran past its
-             timeout (too many turns, tool calls, tokens). It stays in its GRPO group at `reward.failure_score`; a reward that rejected
-             the output (raised, timed out) already scored it so.
+             timeout (too many turns, tool calls, tokens). It stays in its GRPO group at `reward.failure_score`;
+             a reward that rejected the output (raised, timed out) already scored it so.
     infra    anything else: a server aborted the request, the retry budget ran out, every server went
              down, the loop or a plugin raised, the prompt does not fit, no reward applies. Its whole
              group is left out of training (never a partial group).

@@ -735,7 +735,8 @@ class ServerManager:
                 if not busy():
                     break
                 try:  # set by every call's release; the short cap guards a wake-up taken by another waiter
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(0.02, max(0.001, deadline - time.monotonic())))
+                    await asyncio.wait_for(self._changed.wait(),
+                                           timeout=min(0.02, max(0.001, deadline - time.monotonic())))
                 except asyncio.TimeoutError:
                     pass
 
@@ -819,7 +820,8 @@ class ServerManager:
         payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        targets = [self.urls.index(u.rstrip("/")) for u in (urls if urls is not None else await self.reachable_targets())]
+        to = urls if urls is not None else await self.reachable_targets()
+        targets = [self.urls.index(u.rstrip("/")) for u in to]
         results = await asyncio.gather(*(self._admin_post(self.urls[i], "/update_weights_from_disk", payload)
                                          for i in targets), return_exceptions=True)
         version = parse_version(weight_version)

@@ -100,7 +100,8 @@ def table(name: str, res: dict, card: str) -> str:
         if "error" in r:
             out.append(f"| {k} | failed: {r['error'][:80]} |||||||||||")
             continue
-        ratio = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"] if sync and "error" not in sync else float("nan")
+        ratio = (r["trained_tokens_per_s"] / sync["trained_tokens_per_s"] if sync and "error" not in sync
+                 else float("nan"))
         busy = "" if r["busy_frac"] is None else f"{r['busy_frac']:.2f}"
         out.append(f"| {k} | {r['steps_per_hour']:.0f} | {r['trained_tokens_per_s']:,.0f} | {ratio:.2f}x | "
                    f"{r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['learner_s']:.1f} | {r['sync_s']:.2f} | {busy} | "

@@ -59,8 +59,10 @@ def main() -> int:
         results[mode] = (sum(later) / len(later), interp_err, behav_err)
     rows = ["| proximal | step s (mean of steps 2..) | abs(interpolated - recomputed) | abs(behaviour - recomputed) |",
             "|---|---:|---:|---:|"]
+    def cell(v: list[float]) -> str:
+        return f"{sum(v) / len(v):.4f}" if v else "-"
+
     for mode, (t, ie, be) in results.items():
-        cell = (lambda v: f"{sum(v) / len(v):.4f}" if v else "-")
         rows.append(f"| {mode} | {t:.3f} | {cell(ie)} | {cell(be)} |")
     ratio = results["recompute"][0] / results["interpolate"][0]
     print(f"tiny model, 64 x (128 + 128), lags 0..{lag}, {minis} mini-batches, {steps} steps, CPU")

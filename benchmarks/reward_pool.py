@@ -30,7 +30,7 @@ def sample(i: int) -> Sample:
 def inline(calls: int) -> tuple[float, float]:
     fn = get_reward("agentloop/calculator")
     t = []
-    for i in range(calls):
+    for _ in range(calls):
         t0 = time.perf_counter()
         score_episode(fn, "agentloop/calculator", ANSWER, "893", {})
         t.append(time.perf_counter() - t0)

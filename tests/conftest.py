@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     except ImportError:
         pass
 
-from agentloop.models.modelzoo import ensure_tiny_model  # noqa: E402
+from agentloop.models.modelzoo import ensure_tiny_model
 
 SKIP_SGLANG = os.environ.get("AGENTLOOP_SKIP_SGLANG") == "1"
 

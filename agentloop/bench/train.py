@@ -23,7 +23,8 @@ optimizer are the learner's own, nothing is re-implemented here.
 
 FLOPs (the model of agentloop.train.flops). A step runs `ppo_epochs` training passes, plus one forward pass when
 the old logprobs are recomputed in a pass of their own (`learner.old_logprob_pass`: not for one
-epoch of one mini-batch, where the loss pass's detached logprobs are the old ones) and one more (the reference model) when `algo.kl_coef > 0`; these
+epoch of one mini-batch, where the loss pass's detached logprobs are the old ones) and one more (the
+reference model) when `algo.kl_coef > 0`; these
 forward passes are the algorithm's, so they count as model FLOPs. With shared prompts
 (`learner.share_prompt`) the linear term runs over the tokens the learner ran (a prompt once, then its
 responses) and the attention term over the pairs the episodes need, a shared prompt's own pairs once

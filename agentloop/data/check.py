@@ -103,7 +103,8 @@ def _qa_truth(gt: Any) -> str | None:
 
 
 def _string_truth(gt: Any) -> str | None:
-    return None if isinstance(gt, str) else f"ground truth must be a string (verl's MATH rules compare strings), got {gt!r}"
+    return None if isinstance(gt, str) else \
+        f"ground truth must be a string (verl's MATH rules compare strings), got {gt!r}"
 
 
 def _code_truth(gt: Any) -> str | None:
@@ -114,7 +115,8 @@ def _code_truth(gt: Any) -> str | None:
             return "code ground truth is a string but not JSON"
     if isinstance(gt, dict) and isinstance(gt.get("tests"), list) and gt["tests"]:
         return None
-    return f"code ground truth must be {{'entry_point': ..., 'tests': [...]}} or {{'tests': [{{stdin, stdout}}]}}, got {str(gt)[:80]}"
+    return ("code ground truth must be {'entry_point': ..., 'tests': [...]} or {'tests': [{stdin, stdout}]}, "
+            f"got {str(gt)[:80]}")
 
 
 def _truth_rule(data_source: str):
@@ -125,7 +127,8 @@ def _truth_rule(data_source: str):
         return _gsm8k_truth
     if data_source in ("countdown", "agentloop/countdown"):
         return _countdown_truth
-    if data_source in SEARCH_R1_SOURCES or data_source in VERL_SEARCH_R1_SOURCES or data_source == "agentloop/search_qa":
+    if data_source in SEARCH_R1_SOURCES or data_source in VERL_SEARCH_R1_SOURCES \
+            or data_source == "agentloop/search_qa":
         return _qa_truth
     if data_source in VERL_MATH_SOURCES:
         return _string_truth

@@ -74,7 +74,7 @@ def load_entry(ref: str) -> AgentFn:
             module = importlib.import_module(target)
     except ConfigError:
         raise
-    except Exception as e:  # noqa: BLE001 - re-raised naming the entry
+    except Exception as e:  # re-raised naming the entry
         raise ConfigError(f"agent.entry={ref!r}: importing {target!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
     if not inspect.iscoroutinefunction(fn):

@@ -63,8 +63,9 @@ def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             obj = ep.load()
-        except Exception as e:  # noqa: BLE001 - re-raised with the entry point named
-            raise ConfigError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} failed to load: {e}") from e
+        except Exception as e:  # re-raised with the entry point named
+            raise ConfigError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} failed to load: "
+                              f"{e}") from e
         if isinstance(obj, type) and issubclass(obj, AgentLoopBase) and ep.name not in _LOOPS:
             register_agent_loop(ep.name, obj)
 

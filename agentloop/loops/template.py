@@ -68,7 +68,7 @@ def template_info(render, *, check: bool = True, cache_key: str | None = None) -
         B1 = render(u + [a1, t1], tools, True)
         A2 = render(u + [a1, t1, a2], tools, False)
         B2 = render(u + [a1, t1, a2, t2], tools, True)
-    except Exception as e:  # noqa: BLE001 - re-raised as a config problem with the cause
+    except Exception as e:  # re-raised as a config problem with the cause
         raise ConfigError(f"the chat template cannot render a tool conversation: {type(e).__name__}: {e}") from e
     if _MARK not in A1 or _MARK not in A2:
         raise ConfigError("the chat template drops assistant message content; tool_agent_loop cannot use it")

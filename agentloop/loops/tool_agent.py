@@ -201,7 +201,7 @@ class ToolAgentLoop(AgentLoopBase):
             for name, inst in instances.items():
                 try:
                     await tools[name].release(inst)
-                except Exception:  # noqa: BLE001 - counted and logged; the episode's result stands
+                except Exception:  # counted and logged; the episode's result stands
                     c.add("release_errors")
                     logger.exception("tool %r release failed in episode %s", name, sample.episode_id)
         extra["response_text"] = self.decode(traj.response_ids)

@@ -36,7 +36,7 @@ def load_tokenizer_for(cfg: Config, model_path: Path) -> Any:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(tok_path))
-    except Exception as e:  # noqa: BLE001 - re-raised with the path named
+    except Exception as e:  # re-raised with the path named
         raise ConfigError(f"cannot load a tokenizer from {str(tok_path)!r}: {e}") from e
     if getattr(tok, "chat_template", None) is None:
         raise ConfigError(f"tokenizer at {str(tok_path)!r} has no chat_template")

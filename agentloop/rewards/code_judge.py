@@ -89,7 +89,7 @@ _UNSAFE_BUILTINS = frozenset({"open", "eval", "exec", "compile", "input", "globa
 _NO_ATTRS = frozenset({"format", "format_map", "mro"})
 
 
-def _safe_import(name: str, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 - import protocol
+def _safe_import(name: str, globals=None, locals=None, fromlist=(), level=0):  # import protocol
     if level != 0 or name.split(".")[0] not in _SAFE_MODULES:
         raise ImportError(f"test code may import only {sorted(_SAFE_MODULES)}, not {name!r}")
     return __import__(name, globals, locals, fromlist, level)

@@ -111,7 +111,7 @@ def _score(fn: RewardCallable, args: dict[str, Any]) -> tuple[float, dict[str, A
         value = call_reward(fn, args)
     except RewardError:
         raise
-    except Exception as e:  # noqa: BLE001 - named and re-raised as the reward's failure
+    except Exception as e:  # named and re-raised as the reward's failure
         name = getattr(fn, "__qualname__", repr(fn))
         raise RewardError(f"reward {name} for data source {ds!r} raised {type(e).__name__}: {e}") from e
     if asyncio.iscoroutine(value):
@@ -166,7 +166,8 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", f"from agentloop.rewards.pool import worker_main; worker_main({theirs.fileno()})"],
+                [sys.executable, "-c",
+                 f"from agentloop.rewards.pool import worker_main; worker_main({theirs.fileno()})"],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()

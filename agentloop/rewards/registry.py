@@ -82,7 +82,8 @@ def load_custom_reward(ref: str) -> RewardCallable:
     if not sep:
         target, attr = ref.strip(), "compute_score"
     if not target or not attr:
-        raise RewardError(f"custom reward {ref!r} must look like 'path/to/file.py:function' or 'package.module:function'")
+        raise RewardError(f"custom reward {ref!r} must look like 'path/to/file.py:function' or "
+                          "'package.module:function'")
     path = Path(target)
     if target.endswith(".py") or "/" in target or "\\" in target:
         if not path.is_file():
@@ -94,7 +95,8 @@ def load_custom_reward(ref: str) -> RewardCallable:
         except ImportError as e:
             raise RewardError(f"custom reward {ref!r}: module {target!r} cannot be imported: {e}") from e
         except Exception as e:
-            raise RewardError(f"custom reward {ref!r}: importing module {target!r} failed: {type(e).__name__}: {e}") from e
+            raise RewardError(f"custom reward {ref!r}: importing module {target!r} failed: "
+                              f"{type(e).__name__}: {e}") from e
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise RewardError(f"custom reward {ref!r}: {target!r} has no attribute {attr!r}; callables there: {public}")

@@ -127,7 +127,8 @@ def normalize_reward(value: Any, data_source: str) -> RewardResult:
     if isinstance(value, dict):
         if "score" not in value:
             raise RewardError(
-                f"reward for data source {data_source!r} returned a dict without 'score' (keys: {sorted(map(str, value))})"
+                f"reward for data source {data_source!r} returned a dict without 'score' "
+                f"(keys: {sorted(map(str, value))})"
             )
         score = _as_score(value["score"], data_source, "score")
         info = {}

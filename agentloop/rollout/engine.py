@@ -14,7 +14,8 @@ Scoring lives in `scorer.py`, the summary numbers in `summary.py`, the progress 
 Every episode, whichever path runs it, holds one of the engine's `rollout.max_concurrency` slots.
 
 Invariants. `run`: every (sample, repeat) handed to it comes out exactly once, as a record (result
-or error; an episode of several segments as one record per segment, `segment` 0 first), or is counted in `not_started` when the run stops early because every server died.
+or error; an episode of several segments as one record per segment, `segment` 0 first), or is
+counted in `not_started` when the run stops early because every server died.
 Records are passed to `on_record` (the writer) as soon as they exist, so a stopped run keeps them.
 `GroupStream`: every submitted group comes out of `next()` exactly once, complete (one record per
 episode, results and error records) or cancelled (with the reason, its episodes counted, none of its
@@ -418,7 +419,7 @@ class GroupStream:
             records = [r for segments in await asyncio.gather(*eps) for r in segments]
             outcome = GroupOutcome(sample=sample, records=records, n=n, submitted_version=self._versions[uid])
             self.counts["completed"] += 1
-        except (asyncio.CancelledError, Exception) as e:
+        except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - the group comes out cancelled, named
             # Cancelled, or a failure no record can hold (the record sink failed): the group comes out
             # cancelled, with the reason, whatever happens to its other episodes.
             why = None if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"

@@ -69,7 +69,8 @@ def _write_traces(run_dir: Path, result: RolloutResult, tokenizer: Any) -> None:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    keys = ["episodes", "errors", "reward_errors", "reward_timeouts", "mean_reward", "accuracy"] + sorted(k for k in summary if k.startswith("pass@")) + [
+    keys = ["episodes", "errors", "reward_errors", "reward_timeouts", "mean_reward", "accuracy"]
+    keys += sorted(k for k in summary if k.startswith("pass@")) + [
         "tokens_per_s", "episodes_per_s", "mean_response_tokens", "wall_s", "loop/lag_p99_ms",
         "server/prefix_cache_hit_rate", "server/retries", "server/latency_p50_s", "server/latency_p99_s"]
     lines = []

@@ -72,7 +72,7 @@ class Scorer:
                                 f"{self.cfg.reward.timeout_s:g}s") from None
         except RewardError:
             raise
-        except Exception as e:  # noqa: BLE001 - named and re-raised as a reward failure
+        except Exception as e:  # named and re-raised as a reward failure
             raise RewardError(f"reward for {sample.data_source!r} raised {type(e).__name__}: {e}") from e
         result = normalize_reward(raw, sample.data_source)
         return result.score, result.info

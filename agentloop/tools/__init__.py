@@ -11,7 +11,7 @@ that runs model-written code in `agentloop.tools.sandbox`.
 May import: the vocabulary and util only (loops, rewards and models build on tools, never the reverse).
 """
 
-from agentloop.tools import calculator, python_tool, search  # noqa: F401,E402 - register the built-ins
+from agentloop.tools import calculator, python_tool, search  # noqa: F401 - register the built-ins
 from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.config import PythonToolConfig, SearchToolConfig, ToolsConfig
 from agentloop.tools.parsers import (

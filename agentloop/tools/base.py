@@ -79,5 +79,5 @@ class BaseTool(ABC):
         """A tool-side reward for the episode, or None."""
         return None
 
-    async def release(self, instance: Any) -> None:
+    async def release(self, instance: Any) -> None:  # noqa: B027 - optional: most tools hold nothing to free
         """Free the instance's resources (always called)."""

@@ -83,7 +83,8 @@ class SearchTool(_VerlShaped):
         self._instance_dict[instance_id] = {"response": "", "reward": []}
         return instance_id, Response()
 
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[Response, float, dict]:
+    async def execute(self, instance_id: str, parameters: dict[str, Any],
+                      **kwargs: Any) -> tuple[Response, float, dict]:
         from agentloop.tools.retrieval import RetrievalError, retrieve
 
         queries = parameters.get("query_list") if isinstance(parameters, dict) else None
@@ -120,7 +121,8 @@ class Gsm8kTool(_VerlShaped):
         self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
         return instance_id, Response()
 
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[Response, float, dict]:
+    async def execute(self, instance_id: str, parameters: dict[str, Any],
+                      **kwargs: Any) -> tuple[Response, float, dict]:
         answer = parameters.get("answer", "")
         if not isinstance(answer, str):
             answer = str(answer)

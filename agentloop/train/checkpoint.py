@@ -257,8 +257,8 @@ class CheckpointWriter:
             raise
         staged, written = (resp.staging_completion, resp.upload_completion) if hasattr(resp, "upload_completion") \
             else (None, resp)
-        self.pending = _Pending(step, tmp, final, _meta(step, data_position, extra), staged, written, time.perf_counter(),
-                                stager)
+        self.pending = _Pending(step, tmp, final, _meta(step, data_position, extra), staged, written,
+                                time.perf_counter(), stager)
         return final
 
     def wait_staged(self) -> None:

@@ -874,7 +874,7 @@ def serve(
                     try:
                         records, meta = box.read_batch(next_step)
                         msg = ("batch", records, meta)
-                    except Exception as e:  # unreadable batch: every rank stops, the orchestrator is told
+                    except Exception as e:  # noqa: BLE001 - unreadable batch: every rank stops, the orchestrator is told
                         box.write_failed(next_step, e)
                         msg = ("bad_batch", f"{type(e).__name__}: {e}")
                 elif (stop := box.stop_request()) is not None:
@@ -1079,7 +1079,8 @@ def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[Algo
     for ov in overrides:
         key, _ = parse_override(ov)
         if key.split(".", 1)[0] not in ("algo", "learner") or "." not in key:
-            raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE (the learner reads no other section)")
+            raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE (the learner reads no "
+                              "other section)")
     cfg = validate_for_training(load_config(config, overrides))  # algo.temperature is sampling.temperature
     return cfg.algo, cfg.learner
 

@@ -150,7 +150,7 @@ def _load_config(model: Any) -> Any:
         raise ConfigError(f"{str(p)!r} is not a Hugging Face model directory (no config.json there)")
     try:
         return AutoConfig.from_pretrained(p)
-    except Exception as e:  # noqa: BLE001 - re-raised with the directory named
+    except Exception as e:  # re-raised with the directory named
         raise ConfigError(f"transformers cannot read the config of {str(p)!r}: {type(e).__name__}: {e}") from e
 
 

@@ -523,7 +523,8 @@ class Trainer:
                 # what happened since the previous step's row, written in this step's row
                 for k in ("groups_cancelled", "episodes_cancelled", "episodes_continued"):
                     extra[f"async/{k}"] = float(counts.get(k, 0) - logged.get(k, 0))
-                extra["_groups_dropped_infra"] = counts.get("groups_dropped_infra", 0) - logged.get("groups_dropped_infra", 0)
+                extra["_groups_dropped_infra"] = (counts.get("groups_dropped_infra", 0)
+                                                  - logged.get("groups_dropped_infra", 0))
                 logged = Counter(counts)
                 state["next_step"] = step + 1
                 await self.train_step(step, records, t0, t_roll, extra)
@@ -583,7 +584,8 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             try:
                 info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
             except AgentLoopError as e:
-                raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n{learner.log_tail()}") from e
+                raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n"
+                                    f"{learner.log_tail()}") from e
             try:
                 # A resumed learner first trains the batches submitted before the stop: the run goes on from
                 # where that leaves it (reading next_step any earlier races the learner, pairs it with another

@@ -1,4 +1,4 @@
-"""scripts/run.sh and scripts/test.sh: set up what is missing (once), then the job; .ci/run calls test.sh.
+"""scripts/run.sh and scripts/test.sh: set up what is missing (once), then the job; .ci/run lints, then calls test.sh.
 
 Run in a copy of the scripts with a stand-in setup.sh, so nothing here installs anything.
 """
@@ -47,7 +47,7 @@ def test_run_and_test_set_up_once_then_only_run(tmp_path):
     out = subprocess.run(["bash", "scripts/test.sh", "-x"], cwd=repo, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "PYTHON -m pytest -x" and _runs(repo) == 1  # set up already: nothing more
     out = subprocess.run(["bash", ".ci/run"], cwd=repo, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PYTHON -m pytest" and _runs(repo) == 1
+    assert out.stdout.split("\n")[:2] == ["PYTHON -m ruff check .", "PYTHON -m pytest"] and _runs(repo) == 1
     # a changed pyproject.toml or setup.sh means the setup is stale: it runs again, once
     (repo / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     subprocess.run(["bash", "scripts/test.sh"], cwd=repo, capture_output=True, check=True)

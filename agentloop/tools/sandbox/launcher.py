@@ -18,10 +18,12 @@ The supervisor forks the program: rlimits, cwd, channel fds moved to 3 and 4, ev
 capability bounding set emptied and the run's own uid/gid (as root), PR_SET_NO_NEW_PRIVS (so setuid
 binaries gain nothing), PR_SET_PDEATHSIG(SIGKILL), then execve of the interpreter with a scrubbed
 environment. The cgroups are joined by writing "0" to `cgroup.procs` fds the engine opened, so that
-everything forked afterwards is counted. It writes events to STATUS_FD, each a 4-byte big-endian length and a marshal'ed dict:
+everything forked afterwards is counted. It writes events to STATUS_FD, each a 4-byte big-endian length
+and a marshal'ed dict:
 {"event": "started"} once the program is forked, then {"event": "exit", exit_code | signal, cpu_s}; a
 setup failure writes {"event": "error", "message"} and exits 125. (marshal, not json: importing json and
-re is a noticeable part of a start on a loaded machine, and this runs once per sandboxed run.) When the program ends, the supervisor exits; with a pid namespace the kernel then kills every
+re is a noticeable part of a start on a loaded machine, and this runs once per sandboxed run.) When the
+program ends, the supervisor exits; with a pid namespace the kernel then kills every
 process still in it (double-forked daemons included).
 """
 

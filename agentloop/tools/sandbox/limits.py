@@ -84,13 +84,13 @@ class SandboxResult(BaseModel):
 
     def summary(self, limits: SandboxLimits) -> str:
         """Text for the model: what happened, then the output."""
+        memory = " + ".join(a for a in self.limits_applied if "memory" in a or a == "rlimit_as") or "rlimit_as"
         head = {
             "ok": "exit code 0",
             "error": f"exit code {self.exit_code}",
             "timeout": f"timeout after {limits.timeout_s:g}s",
             "cpu_limit": f"killed: CPU time limit ({limits.cpu_s}s)",
-            "memory_limit": f"killed: memory limit ({limits.memory_limit_mb} MB, "
-                            f"{' + '.join(a for a in self.limits_applied if 'memory' in a or a == 'rlimit_as') or 'rlimit_as'})",
+            "memory_limit": f"killed: memory limit ({limits.memory_limit_mb} MB, {memory})",
             "file_size_limit": f"killed: file size limit ({limits.max_file_mb} MB)",
             "output_limit": f"output truncated at {limits.max_output_bytes} bytes; program stopped",
             "killed": f"killed by signal {self.signal}",

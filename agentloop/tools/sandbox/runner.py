@@ -379,7 +379,8 @@ class SandboxProcess:
             shutil.rmtree(self.host_workdir, ignore_errors=True)
             self.host_workdir = None
 
-    def _classify(self, *, timed_out: bool, truncated: bool, wall: float, oom: int, peak: float | None) -> SandboxResult:
+    def _classify(self, *, timed_out: bool, truncated: bool, wall: float, oom: int,
+                  peak: float | None) -> SandboxResult:
         limits = self.limits
         stdout = self._out.decode("utf-8", errors="replace")
         stderr = self._err.decode("utf-8", errors="replace")

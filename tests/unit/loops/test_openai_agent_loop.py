@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from agentloop.config import ManagerConfig, load_config
-from agentloop.loops.openai_agent import OpenAIAgentLoop, agent_reward
 from agentloop.errors import AgentError
+from agentloop.loops.openai_agent import OpenAIAgentLoop, agent_reward
 from agentloop.records import EpisodeRecord, Sample
 from agentloop.rollout.engine import RolloutEngine
 from agentloop.rollout.summary import summarize

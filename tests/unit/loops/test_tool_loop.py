@@ -177,7 +177,7 @@ def assert_token_exact(out, tok, server: ScriptedServer, loop: ToolAgentLoop) ->
         pos = p
     model_ids = [t for t, m in zip(out.response_ids, out.response_mask) if m == 1]
     assert len(model_ids) == out.num_model_tokens
-    for t, m, lp in zip(out.response_ids, out.response_mask, out.response_logprobs):
+    for m, lp in zip(out.response_mask, out.response_logprobs):
         assert lp == (-0.1 if m == 1 else 0.0)
     # the ids equal a re-tokenization of the final messages done the safe way (template glue parsed,
     # tool content as plain text) ...
@@ -211,7 +211,7 @@ def tool_turns(out, tok, n_prompt: int = 2):
     token was "<|im_end|>")."""
     msgs, i, turns = out.extra["messages"], n_prompt, []
     runs = mask_runs(out)
-    for k, (m, run) in enumerate(runs):
+    for k, (m, _) in enumerate(runs):
         if m == 1:
             assert msgs[i]["role"] == "assistant"
             i += 1

@@ -65,7 +65,7 @@ def ref_tinyzero_countdown(solution_str, ground_truth, format_score=0.1, score=1
         return 0
     try:
         valid = sorted(int(n) for n in re.findall(r"\d+", equation)) == sorted(numbers)
-    except Exception:
+    except Exception:  # noqa: BLE001 - TinyZero's code as published
         valid = False
     if not valid:
         return format_score
@@ -75,12 +75,12 @@ def ref_tinyzero_countdown(solution_str, ground_truth, format_score=0.1, score=1
         else:
             try:
                 result = eval(equation, {"__builtins__": None}, {})
-            except Exception:
+            except Exception:  # noqa: BLE001 - TinyZero's code as published
                 result = None
         if result is None:
             return format_score
         return score if abs(result - target) < 1e-5 else format_score
-    except Exception:
+    except Exception:  # noqa: BLE001 - TinyZero's code as published
         return format_score
 
 

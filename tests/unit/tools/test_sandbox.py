@@ -268,7 +268,7 @@ def test_host_files_are_not_readable(limits):
         r = run(code, limits)
         assert r.reason == "ok", r
         assert secret not in r.stdout and "READ" not in r.stdout, r.stdout
-        top = eval(r.stdout.splitlines()[-1])  # noqa: S307 - our own program's repr of a list of names
+        top = eval(r.stdout.splitlines()[-1])  # our own program's repr of a list of names
         assert "home" not in top and "runs" not in top and "var" not in top, top
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

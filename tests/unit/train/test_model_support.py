@@ -201,7 +201,7 @@ def test_packed_attention_runs_a_window_that_covers_every_sequence_and_refuses_a
            Episode([8, 9, 13, 14], 2, [1] * 2, [0.0] * 2, 1.0, 1.0)]
     mb = collate_packed(eps, [[0], [1, 2]], "token-mean", num_tokens=9, num_seqs=3, pad_multiple=8)
     for window, ok in ((6, True), (5, False)):
-        def build(impl: str):  # a config each: the model keeps (and marks its implementation in) the one given
+        def build(impl: str, window: int = window):  # a config each: the model keeps (and marks its implementation in) the one given
             return tf.MistralForCausalLM._from_config(tf.MistralConfig(**SIZES, head_dim=8, sliding_window=window),
                                                       attn_implementation=impl).eval()
 
