@@ -173,10 +173,16 @@ class ServerManager:
     """
 
     def __init__(self, urls: list[str], config: ManagerConfig | None = None, *, vocab_size: int | None = None,
-                 initial_version: int | None = None):
+                 initial_version: int | None = None, on_event: Callable[[str], None] | None = None,
+                 cache_salt: bool = False, resync: ResyncHook | None = None):
         """`vocab_size`: when known, prompts with ids outside [0, vocab_size) are rejected client-side
         (SGLang 0.5.23 crashes its scheduler on such ids instead of answering 400).
-        `initial_version`: the weight version the servers start with (training: 0, or the resumed step)."""
+        `initial_version`: the weight version the servers start with (training: 0, or the resumed step).
+        `on_event`: receives one line per ejection, re-admission and stale server (a trainer prints them).
+        `cache_salt`: send a per-version `extra_key`, so the prefix cache never serves KV of other weights (the
+        in_place interrupt mode, where SGLang cannot flush its cache on an update: agentloop.interrupt).
+        `resync`: reloads the current weights into one server before it is re-admitted (also `set_resync`, for a
+        hook made after the manager: a trainer's weight transport)."""
         if not urls:
             raise ServerError("ServerManager needs at least one server url")
         self.urls = [u.rstrip("/") for u in urls]
@@ -186,13 +192,9 @@ class ServerManager:
                              sticky=self.cfg.sticky)
         for i in range(len(self.urls)):
             self.router.servers[i].version = initial_version
-        self.resync: ResyncHook | None = None
-        """Set by a trainer: reloads the current weights into one server before it is re-admitted."""
-        self.cache_salt = False
-        """Send a per-version `extra_key` so the prefix cache never serves KV of other weights (the
-        trainer sets it for in_place interrupts, where SGLang cannot flush its cache on an update)."""
-        self.on_event: Callable[[str], None] | None = None
-        """Receives one line per ejection, re-admission and stale server (the trainer prints them)."""
+        self._resync = resync
+        self._cache_salt = cache_salt
+        self._on_event = on_event
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -271,14 +273,33 @@ class ServerManager:
             raise ServerError("ServerManager is not started (use `async with ServerManager(...)`)")
         return self._session
 
+    @property
+    def cache_salt(self) -> bool:
+        """Requests carry a per-version `extra_key` (the constructor's `cache_salt`)."""
+        return self._cache_salt
+
+    @property
+    def on_event(self) -> Callable[[str], None] | None:
+        """Where event lines go (the constructor's `on_event`)."""
+        return self._on_event
+
+    @property
+    def resync(self) -> ResyncHook | None:
+        """The hook that reloads the current weights into a stale server (the constructor's, or `set_resync`)."""
+        return self._resync
+
+    def set_resync(self, hook: ResyncHook | None) -> None:
+        """Install the resync hook (see the constructor) once what makes it exists."""
+        self._resync = hook
+
     def _spawn(self, coro: Awaitable[Any], name: str) -> None:
         t = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
     def _say(self, line: str) -> None:
-        if self.on_event is not None:
-            self.on_event(line)
+        if self._on_event is not None:
+            self._on_event(line)
 
     # ------------------------------------------------------------------ versions
 

@@ -1,38 +1,113 @@
-"""`serving(cfg, model_path, run_dir)`: a started ServerManager over the configured servers, or over local
-SGLang servers launched for the run (logs in the run dir) and always stopped on exit."""
+"""Server pools and `serving`: a started ServerManager over the servers a pool provides.
+
+Map:
+    ServerPool     the protocol: `launch()` starts (or finds) the servers and returns their URLs, `urls`,
+                   `stop()` ends what `launch` started (bounded); a pool never touches a ServerManager
+    UrlPool        servers someone else runs (`server.urls`): nothing to start or stop
+    LocalPool      `server.num_local` SGLang servers launched on this host (logs in the run dir)
+    pool_for       the pool the config asks for on this host (the Ray backend brings its own:
+                   agentloop.cluster.ray_servers.RayServerPool)
+    serving        the context manager every run uses: launch, a started ServerManager that waits until
+                   every server answers, always stop on exit
+"""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator
 
-from agentloop.config import Config
-from agentloop.inference.launcher import launch_servers, stop_servers
-from agentloop.server_manager import ServerManager
+from agentloop.config import Config, ServerConfig
+from agentloop.inference.launcher import LocalServer, launch_servers, stop_servers
+from agentloop.server_manager import ResyncHook, ServerManager
+
+
+class ServerPool(abc.ABC):
+    """Where a run's SGLang servers come from (module doc)."""
+
+    @abc.abstractmethod
+    async def launch(self) -> list[str]:
+        """Start the servers (or find them) and return their URLs, in a fixed order."""
+
+    @property
+    @abc.abstractmethod
+    def urls(self) -> list[str]:
+        """The URLs `launch` returned (empty before)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop what `launch` started (each server within its shutdown timeout); idempotent."""
+
+
+class UrlPool(ServerPool):
+    """Servers given by URL: started and stopped by someone else."""
+
+    def __init__(self, urls: list[str]):
+        self._urls = [u.rstrip("/") for u in urls]
+
+    async def launch(self) -> list[str]:
+        return list(self._urls)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._urls)
+
+    async def stop(self) -> None:
+        return None
+
+
+class LocalPool(ServerPool):
+    """`server.num_local` servers launched on this host (agentloop.inference.launcher), logs in run_dir/servers."""
+
+    def __init__(self, server_cfg: ServerConfig, model_path: Path, run_dir: Path):
+        self.server_cfg = server_cfg
+        self.model_path = model_path
+        self.run_dir = run_dir
+        self.servers: list[LocalServer] = []
+
+    async def launch(self) -> list[str]:
+        self.servers = await launch_servers(self.server_cfg, self.model_path, self.run_dir)
+        return self.urls
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    async def stop(self) -> None:
+        servers, self.servers = self.servers, []
+        if servers:
+            await stop_servers(servers)
+
+
+def pool_for(cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
+    """The servers of `server.urls`, or `server.num_local` local ones."""
+    if cfg.server.urls:
+        return UrlPool(list(cfg.server.urls))
+    return LocalPool(cfg.server, model_path, run_dir)
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg: Config, model_path: Path, run_dir: Path, *,
-                  initial_version: int | None = None) -> AsyncIterator[ServerManager]:
-    """A started ServerManager over external or freshly launched local servers (`initial_version`: the
-    weight version they serve at the start, for training runs)."""
-    servers: list[Any] = []
-    if cfg.server.urls:
-        urls = list(cfg.server.urls)
-    else:
-        servers = await launch_servers(cfg.server, model_path, run_dir)
-        urls = [s.url for s in servers]
+async def serving(cfg: Config, model_path: Path, run_dir: Path, *, pool: ServerPool | None = None,
+                  initial_version: int | None = None, on_event: Callable[[str], None] | None = None,
+                  cache_salt: bool = False, resync: ResyncHook | None = None) -> AsyncIterator[ServerManager]:
+    """A started ServerManager over the servers of `pool` (default `pool_for(cfg, ...)`), once every one answers
+    /health; the pool is stopped on exit, whatever happens. `initial_version` (the weight version the servers
+    serve at the start, for training runs), `on_event`, `cache_salt` and `resync`: see ServerManager."""
+    pool = pool if pool is not None else pool_for(cfg, model_path, run_dir)
     try:
         vocab = json.loads((model_path / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
         vocab = None
     try:
-        async with ServerManager(urls, cfg.manager, vocab_size=vocab, initial_version=initial_version) as sm:
-            if cfg.server.urls:
-                await sm.wait_ready(timeout=cfg.server.startup_timeout_s)
+        urls = await pool.launch()
+        async with ServerManager(urls, cfg.manager, vocab_size=vocab, initial_version=initial_version,
+                                 on_event=on_event, cache_salt=cache_salt, resync=resync) as sm:
+            await sm.wait_ready(timeout=cfg.server.startup_timeout_s)
             yield sm
     finally:
-        if servers:
-            await stop_servers(servers)
+        await pool.stop()
+
+
+__all__ = ["LocalPool", "ServerPool", "UrlPool", "pool_for", "serving"]

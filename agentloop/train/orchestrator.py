@@ -577,9 +577,9 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
           f"  data: {len(train_samples)} training rows of {data.train_source}; validation: {data.val_source}"
           + "".join(f"\n  model: {line}" for line in support.applied), file=sys.stderr, flush=True)
     try:
-        async with serving(cfg, model_path, run_dir, initial_version=0) as sm:
-            sm.on_event = lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True)
-            sm.cache_salt = interrupt_policy(cfg.train.interrupt).cache_salt
+        async with serving(cfg, model_path, run_dir, initial_version=0,
+                           on_event=lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True),
+                           cache_salt=interrupt_policy(cfg.train.interrupt).cache_salt) as sm:
             served = await check_served_model(sm, model_path)  # the servers serve model.path, or an error now
             try:
                 info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
@@ -605,7 +605,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             recover_step_rows(log, first, client.paths, run_dir)
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
             trainer = Trainer(cfg, run_dir, sm, engine, client, learner, log, cursor, val_samples)
-            sm.resync = trainer.resync
+            sm.set_resync(trainer.resync)
             await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
             sm.expect_version(0)
             if first > 1:

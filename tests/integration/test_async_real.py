@@ -233,9 +233,9 @@ def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, res
     v1 = _scaled_copy(tiny_model_path, tmp_path / "v1")
 
     async def main():
-        async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-            policy = interrupt_policy(mode)
-            sm.cache_salt = policy.cache_salt
+        policy = interrupt_policy(mode)
+        async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0,
+                                 cache_salt=policy.cache_salt) as sm:
             if refused_flush:  # play SGLang 0.5.17, which refuses to flush with retracted requests waiting
                 sm._admin_post = _refuse_first_flush(sm._admin_post)
             ep = TwoTurn(sm, FIXED)
@@ -277,9 +277,9 @@ def test_in_place_never_reuses_a_prefix_cached_under_older_weights(sglang_server
     sp = {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 1}
 
     async def main(salt: bool):
-        async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-            policy = interrupt_policy("in_place")
-            sm.cache_salt = salt and policy.cache_salt
+        policy = interrupt_policy("in_place")
+        async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0,
+                                 cache_salt=salt and policy.cache_salt) as sm:
             await sm.flush_cache()
             await sm.generate("a", prompt_ids=prompt, sampling_params=sp)
             v0_again = await sm.generate("b", prompt_ids=prompt, sampling_params=sp)

@@ -82,7 +82,7 @@ def test_real_server_that_missed_an_update_serves_only_after_resync(sglang_serve
                     resyncs.append(u)
                     await sm.update_weights_from_disk(model, weight_version=1, urls=[u])
 
-                sm.resync = resync
+                sm.set_resync(resync)
                 await sm.probe_all()
                 after = await sm.generate("c", prompt_ids=[5, 6, 7], sampling_params=sp)
                 return before, kept_out, after, sm.gauges(), sm.server_versions()

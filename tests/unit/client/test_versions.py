@@ -23,11 +23,10 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=60))
 
 
-def events(sm: ServerManager) -> asyncio.Queue:
-    """The manager's event lines (ejections, re-admissions, stale servers), to wait on."""
-    q: asyncio.Queue = asyncio.Queue()
-    sm.on_event = q.put_nowait
-    return q
+def events() -> asyncio.Queue:
+    """A queue for the manager's event lines (ejections, re-admissions, stale servers), to wait on: pass its
+    `put_nowait` as the manager's `on_event`."""
+    return asyncio.Queue()
 
 
 async def wait_event(q: asyncio.Queue, text: str) -> str:
@@ -144,8 +143,8 @@ def test_server_back_with_old_weights_stays_out_until_resynced():
         a, b = await FakeSGLang().start(), await FakeSGLang().start()
         try:
             cfg = ManagerConfig(health_interval_s=0.05, eject_after_failures=1, answered_grace_s=0)
-            async with ServerManager([a.url, b.url], cfg, initial_version=0) as sm:
-                q = events(sm)
+            q = events()
+            async with ServerManager([a.url, b.url], cfg, initial_version=0, on_event=q.put_nowait) as sm:
                 sm.expect_version(0)
                 b.healthy = False
                 await wait_event(q, f"{b.url} ejected")
@@ -162,7 +161,7 @@ def test_server_back_with_old_weights_stays_out_until_resynced():
                     resynced.append(url)
                     await sm.update_weights_from_disk("/w1", weight_version=1, urls=[url])
 
-                sm.resync = resync
+                sm.set_resync(resync)
                 await wait_event(q, f"{b.url} re-admitted at version 1")
                 return state_before, sm.gauges(), b.weight_version
         finally:
@@ -210,8 +209,8 @@ def test_a_server_answering_requests_is_not_ejected_for_failed_probes():
         fake = await FakeSGLang(token_delay_s=0.005).start()
         try:
             cfg = ManagerConfig(health_interval_s=0.02, eject_after_failures=1, answered_grace_s=0.5)
-            async with ServerManager([fake.url], cfg) as sm:
-                q = events(sm)
+            q = events()
+            async with ServerManager([fake.url], cfg, on_event=q.put_nowait) as sm:
                 await sm.generate("e-first", prompt_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 8})
                 fake.healthy = False  # every probe fails from now on
                 for i in range(30):
@@ -280,8 +279,8 @@ def test_a_server_gets_the_grace_before_its_first_answer():
         fake.healthy = False  # every probe fails
         try:
             cfg = ManagerConfig(health_interval_s=0.02, eject_after_failures=1, answered_grace_s=2.0)
-            async with ServerManager([fake.url], cfg) as sm:
-                q = events(sm)
+            q = events()
+            async with ServerManager([fake.url], cfg, on_event=q.put_nowait) as sm:
                 fake.hold()
                 call = asyncio.create_task(sm.generate("e", prompt_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 4}))
                 await fake.wait_until(lambda f: len(f.requests) == 1 and len(f.probes) >= 3)

@@ -54,9 +54,9 @@ def _trainer(mode: str, sm: ServerManager, tmp_path: Path) -> Trainer:
 async def _push_midway(mode: str, flush_model: str, tmp_path: Path):
     fake = await FakeSGLang(token_delay_s=0.01, flush_model=flush_model).start()
     try:
-        async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+        async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0,
+                                 cache_salt=interrupt_policy(mode).cache_salt) as sm:
             trainer = _trainer(mode, sm, tmp_path)
-            sm.cache_salt = trainer.interrupt.cache_salt
             gen = asyncio.create_task(sm.generate("e-0", prompt_ids=[5, 6, 7], sampling_params=SP))
             await fake.started.wait()  # the call is producing tokens when the push comes
             await trainer.push_disk(tmp_path / "w1", 1)
@@ -99,9 +99,9 @@ def test_unflushable_server_is_ejected_not_left_with_stale_cache(tmp_path):
         fake = await FakeSGLang(token_delay_s=0.01, flush_model="0.5.17").start()
         fake.refuse.add("/flush_cache")
         try:
-            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-                lines: list[str] = []
-                sm.on_event = lines.append
+            lines: list[str] = []
+            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0,
+                                     on_event=lines.append) as sm:
                 await sm.pause("retract")
                 await sm.finish_update(interrupt_policy("retract"))
                 return sm.router.servers[0].healthy, lines
