@@ -12,7 +12,8 @@ Map:
     version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
     finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
-Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer), LearnerProcess
+Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer, and AsyncSchedule, the
+object `run_async` drives), LearnerProcess
 (learner_process.py), DataCursor (cursor.py), the mailbox (mailbox.py), StepLog and the progress line
 (agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
 starts (model_support.py) and of what the servers serve before step 1 (served_model.py).
@@ -78,7 +79,7 @@ from agentloop.train.cursor import DataCursor
 from agentloop.train.learner_process import LearnerProcess
 from agentloop.train.mailbox import MailboxClient, MailboxError, UpdateResult
 from agentloop.train.model_support import require_model_support
-from agentloop.train.schedule import Admission, GroupBuffer, Staleness
+from agentloop.train.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.served_model import align_served_weights, check_served_model
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.util.runtime import run_async
@@ -420,88 +421,50 @@ class Trainer:
     # ------------------------------------------------------------------ the asynchronous schedule
 
     async def run_async(self, first: int) -> None:
+        """Drive the schedule's object (schedule.AsyncSchedule): a producer admits prompts as it allows, a
+        collector reports finished groups, the step loop takes batches; its commands (give a prompt out again,
+        cancel a running group) are carried out here, on the cursor and the stream."""
         cfg = self.cfg
         self.loop_lag.start()
         B, n = cfg.train.prompts_per_step, cfg.rollout.n_samples
-        # A resumed run counts admissions from the version it starts at, so it keeps exactly the groups in
-        # flight that a fresh run keeps at that point (η = 0: the synchronous schedule again).
-        admission = Admission(B, cfg.train.max_staleness, total=(cfg.train.steps - first + 1) * B,
-                              base_version=first - 1)
-        buffer: GroupBuffer[GroupOutcome] = GroupBuffer(self.staleness)
+        sched: AsyncSchedule[GroupOutcome] = AsyncSchedule(B, cfg.train.max_staleness,
+                                                           total=(cfg.train.steps - first + 1) * B,
+                                                           first_step=first, infra_retries=INFRA_RETRIES)
         stream = self.engine.stream()
         changed = asyncio.Event()
-        state = {"version": first - 1, "ending": False}
-        handed_out: set[int] = set()  # uids given out and not yet trained (for the checkpoint's data state)
-        counts = Counter()
 
-        def give_back(out: GroupOutcome, reason: str) -> None:
-            counts["groups_cancelled"] += 1
-            counts["episodes_cancelled"] += out.n
-            counts[f"cancelled_{reason}"] += 1
-            if not state["ending"]:
-                self.cursor.retry(out.sample)
+        def carry_out(cmds: list[Command]) -> None:
+            for c in cmds:
+                if isinstance(c, Retry):
+                    self.cursor.retry(c.sample)
+                else:
+                    stream.cancel(c.uid, c.reason)
 
         async def produce() -> None:
             while True:
-                k = admission.allowed(state["version"])
+                k = sched.admit()
                 if k and not stream.stopped:
                     for s in self.cursor.take(k):
                         stream.submit(s, n)
-                        admission.started()
-                        handed_out.add(s.group_uid)
+                        sched.started(s)
                 changed.clear()
                 await changed.wait()
-
-        def retry_infra(out: GroupOutcome) -> None:
-            """A group with an infrastructure failure is never trained partial: its prompt is given out
-            again (fresh seeds), at most INFRA_RETRIES times (a prompt that always fails, say one too long
-            for the context, would else come back forever)."""
-            counts["groups_dropped_infra"] += 1
-            if not state["ending"] and out.sample.attempt < INFRA_RETRIES:
-                self.cursor.retry(out.sample)
-            else:
-                handed_out.discard(out.sample.group_uid)
 
         async def collect() -> None:
             while True:
                 out = await stream.next()
-                if out.cancelled is not None:
-                    admission.finished(kept=False)
-                    give_back(out, "stale" if out.cancelled.startswith("stale") else "other")
-                elif not all(trainable(r) for r in out.records):
-                    admission.finished(kept=False)
-                    retry_infra(out)
-                elif not self.staleness.trainable(out.oldest_version, state["next_step"]):
-                    admission.finished(kept=False)
-                    give_back(out, "stale")
-                else:
-                    admission.finished(kept=True)
-                    counts["episodes_continued"] += sum(r.metrics.get("interrupted_calls", 0) > 0
-                                                        for r in out.records)
-                    buffer.add(out.sample.group_uid, out.oldest_version, out)
+                continued = sum(r.metrics.get("interrupted_calls", 0) > 0 for r in out.records)
+                carry_out(sched.group_done(out, complete=all(trainable(r) for r in out.records),
+                                           continued=continued))
                 changed.set()
 
-        def cancel_stale(next_step: int) -> None:
-            """Groups that can never join `next_step` or a later one: out of the buffer, and running ones
-            whose first tokens are already too old."""
-            for out in buffer.evict_stale(next_step):
-                admission.dropped()
-                give_back(out, "stale")
-            floor = self.staleness.min_version(next_step)
-            for uid in stream.running_uids():
-                v = stream.started_version(uid)
-                if v is not None and v < floor:
-                    stream.cancel(uid, f"stale: started at version {v}, step {next_step} needs >= {floor}")
-
-        state["next_step"] = first
         tasks = [asyncio.create_task(produce(), name="producer"), asyncio.create_task(collect(), name="collector")]
-        logged: Counter[str] = Counter(counts)  # counts as of the last step's row
+        logged: Counter[str] = Counter(sched.counts)  # counts as of the last step's row
         try:
             for step in range(first, cfg.train.steps + 1):
                 t0 = time.monotonic()
-                state["next_step"] = step
-                cancel_stale(step)
-                while (groups := buffer.take(step, B)) is None:
+                carry_out(sched.step_begins(step, {u: stream.started_version(u) for u in stream.running_uids()}))
+                while (groups := sched.take(step)) is None:
                     if stream.stopped:
                         raise TrainingError(f"rollouts of step {step} stopped: {stream.stopped}")
                     for t in tasks:
@@ -514,32 +477,30 @@ class Trainer:
                         pass
                 t_roll = time.monotonic() - t0
                 records = [r for g in groups for r in g.records]
-                for g in groups:
-                    handed_out.discard(g.sample.group_uid)
-                extra = {"_data_state": self.cursor.state(untrained=sorted(handed_out)),
+                extra = {"_data_state": self.cursor.state(untrained=sched.untrained()),
                          "async/groups_in_flight": float(stream.running),
-                         "async/groups_buffered": float(len(buffer)),
+                         "async/groups_buffered": float(len(sched)),
                          "async/busy_frac": self.engine.busy_fraction(reset=True)}
                 # what happened since the previous step's row, written in this step's row
+                delta = sched.since(logged, ("groups_cancelled", "episodes_cancelled", "episodes_continued",
+                                             "groups_dropped_infra"))
                 for k in ("groups_cancelled", "episodes_cancelled", "episodes_continued"):
-                    extra[f"async/{k}"] = float(counts.get(k, 0) - logged.get(k, 0))
-                extra["_groups_dropped_infra"] = (counts.get("groups_dropped_infra", 0)
-                                                  - logged.get("groups_dropped_infra", 0))
-                logged = Counter(counts)
-                state["next_step"] = step + 1
+                    extra[f"async/{k}"] = float(delta[k])
+                extra["_groups_dropped_infra"] = delta["groups_dropped_infra"]
+                logged = Counter(sched.counts)
                 await self.train_step(step, records, t0, t_roll, extra)
-                state["version"] = step
+                sched.version_pushed(step)
                 changed.set()
         finally:
-            state["ending"] = True
+            sched.end()
             await self.loop_lag.stop()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             left = await stream.cancel_all("the run ended")
-            kept = sum(o.cancelled is None for o in left) + len(buffer)
-            self.final["async"] = {**{k: int(v) for k, v in counts.items()},
-                                   "groups_left_at_end": len(left) + len(buffer),
+            kept = sum(o.cancelled is None for o in left) + len(sched)
+            self.final["async"] = {**{k: int(v) for k, v in sched.counts.items()},
+                                   "groups_left_at_end": len(left) + len(sched),
                                    "groups_left_complete": kept}
 
 

@@ -7,6 +7,10 @@
                      v0 = the version counting began at (0, or C for a run resumed after step C)
     GroupBuffer      finished groups waiting for the learner; the next batch is the B oldest eligible
                      ones; groups that can never be trained any more are handed back to be cancelled
+    AsyncSchedule    the three above as one object the orchestrator drives: it consumes events (a group
+                     finished, a step begins, a version was pushed) and answers with commands (admit k
+                     prompts, give a prompt out again, cancel a running group, the batch of a step);
+                     every admitted group ends exactly once, as trained, cancelled or dropped
 
 With η = 0 the three reproduce the synchronous schedule exactly: B prompts are admitted for version v,
 the batch is exactly those B groups, and nothing more starts until version v + 1 is served.
@@ -18,8 +22,10 @@ s - 1 - η.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -151,3 +157,175 @@ class GroupBuffer(Generic[T]):
         for e in out:
             del self._entries[e.key]
         return [e.item for e in sorted(out, key=lambda e: e.key)]
+
+
+# ---------------------------------------------------------------------------- the schedule as one object
+
+
+class Prompt(Protocol):
+    """What the schedule reads of a dispatched prompt (agentloop.records.Sample)."""
+
+    @property
+    def group_uid(self) -> int: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+
+class Finished(Protocol):
+    """What the schedule reads of a group that left the stream (agentloop.rollout.engine.GroupOutcome)."""
+
+    sample: Any
+    """The dispatched prompt (a `Prompt`)."""
+    n: int
+    cancelled: str | None
+
+    @property
+    def oldest_version(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Command: give this prompt out again (before any new one), with its next attempt number."""
+
+    sample: Any
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Command: cancel this running group (it can no longer be trained); it comes out cancelled."""
+
+    uid: int
+    reason: str
+
+
+Command = Retry | Cancel
+
+
+class AsyncSchedule(Generic[T]):
+    """The asynchronous schedule's control logic (train.schedule=async), with no event loop and no I/O.
+    Groups (T) are `Finished` objects: agentloop.rollout.engine.GroupOutcome in a run.
+
+    The orchestrator reports events and carries out the commands returned:
+        admit()                     how many new prompts may start now (then `started` with each one)
+        group_done(out, ...)        a group left the stream: buffered, or cancelled/dropped ([Retry] or [])
+        step_begins(step, running)  groups that can no longer join this step or a later one: buffered ones
+                                    are evicted ([Retry]), running ones whose first tokens are too old are
+                                    cancelled ([Cancel])
+        take(step)                  the step's batch (B groups, oldest version first) or None: not yet
+        version_pushed(v)           the servers serve version v now (admission grows)
+        end()                       the run is ending: nothing is given out again any more
+    Accounting: every admitted group ends exactly once, as trained (in a batch), cancelled (stale or other:
+    `groups_cancelled`, its prompt given out again unless the run is ending) or dropped for an
+    infrastructure failure (`groups_dropped_infra`, given out again up to `infra_retries` attempts).
+    `untrained()` is what a checkpoint stores as handed out but not trained.
+    """
+
+    def __init__(self, batch_size: int, max_staleness: int, *, total: int, first_step: int = 1,
+                 infra_retries: int = 2):
+        self.batch_size = batch_size
+        self.staleness = Staleness(max_staleness)
+        # A resumed run counts admissions from the version it starts at, so it keeps exactly the groups in
+        # flight that a fresh run keeps at that point (η = 0: the synchronous schedule again).
+        self.admission = Admission(batch_size, max_staleness, total=total, base_version=first_step - 1)
+        self.buffer: GroupBuffer[T] = GroupBuffer(self.staleness)
+        self.version = first_step - 1
+        """The version the servers serve."""
+        self.next_step = first_step
+        """The step the next batch is for (a finished group too stale for it is not kept)."""
+        self.infra_retries = infra_retries
+        self.ending = False
+        self.counts: Counter[str] = Counter()
+        self._handed_out: set[int] = set()
+
+    # ------------------------------------------------------------------ events
+
+    def admit(self) -> int:
+        """Prompts that may start now (0 once the run is ending)."""
+        return 0 if self.ending else self.admission.allowed(self.version)
+
+    def started(self, sample: Prompt) -> None:
+        """A prompt `admit` allowed was submitted to the stream."""
+        self.admission.started()
+        self._handed_out.add(sample.group_uid)
+
+    def group_done(self, out: T, *, complete: bool, continued: int = 0) -> list[Command]:
+        """A group left the stream (`out`, a `Finished`): `complete`: every record of it may be trained (no
+        infrastructure failure); `continued`: its episodes that a weight update interrupted and that were
+        continued."""
+        finished: Finished = out  # type: ignore[assignment]
+        if finished.cancelled is not None:
+            self.admission.finished(kept=False)
+            return self._give_back(finished, "stale" if finished.cancelled.startswith("stale") else "other")
+        if not complete:
+            self.admission.finished(kept=False)
+            return self._drop_infra(finished)
+        if not self.staleness.trainable(finished.oldest_version, self.next_step):
+            self.admission.finished(kept=False)
+            return self._give_back(finished, "stale")
+        self.admission.finished(kept=True)
+        self.counts["episodes_continued"] += continued
+        self.buffer.add(finished.sample.group_uid, finished.oldest_version, out)
+        return []
+
+    def step_begins(self, step: int, running: Mapping[int, int | None]) -> list[Command]:
+        """Step `step`'s batch is wanted next. `running`: uid -> the version a running group started at (None: not
+        started yet)."""
+        self.next_step = step
+        cmds: list[Command] = []
+        for item in self.buffer.evict_stale(step):
+            self.admission.dropped()
+            cmds += self._give_back(item, "stale")
+        floor = self.staleness.min_version(step)
+        for uid, v in running.items():
+            if v is not None and v < floor:
+                cmds.append(Cancel(uid, f"stale: started at version {v}, step {step} needs >= {floor}"))
+        return cmds
+
+    def take(self, step: int) -> list[T] | None:
+        """The batch of `step` (B groups), or None while fewer are eligible. Taken groups are trained; from now
+        on a finished group must be trainable at step + 1 to be kept."""
+        groups = self.buffer.take(step, self.batch_size)
+        if groups is not None:
+            for g in groups:
+                self._handed_out.discard(g.sample.group_uid)  # type: ignore[attr-defined]
+            self.next_step = step + 1
+        return groups
+
+    def version_pushed(self, version: int) -> None:
+        self.version = version
+
+    def end(self) -> None:
+        self.ending = True
+
+    # ------------------------------------------------------------------ state
+
+    def untrained(self) -> list[int]:
+        """uids handed out and not trained (a checkpoint's data state gives them out again on resume)."""
+        return sorted(self._handed_out)
+
+    def __len__(self) -> int:
+        """Groups buffered."""
+        return len(self.buffer)
+
+    def since(self, seen: Mapping[str, int], keys: Iterable[str]) -> dict[str, int]:
+        """Counts of `keys` since the snapshot `seen` (a copy of `counts` taken earlier)."""
+        return {k: self.counts.get(k, 0) - seen.get(k, 0) for k in keys}
+
+    # ------------------------------------------------------------------ internals
+
+    def _give_back(self, finished: Any, reason: str) -> list[Command]:
+        self.counts["groups_cancelled"] += 1
+        self.counts["episodes_cancelled"] += finished.n
+        self.counts[f"cancelled_{reason}"] += 1
+        return [] if self.ending else [Retry(finished.sample)]
+
+    def _drop_infra(self, finished: Any) -> list[Command]:
+        """A group with an infrastructure failure is never trained partial: its prompt is given out again (fresh
+        seeds), at most `infra_retries` attempts (a prompt that always fails, say one too long for the context,
+        would else come back forever)."""
+        self.counts["groups_dropped_infra"] += 1
+        if not self.ending and finished.sample.attempt < self.infra_retries:
+            return [Retry(finished.sample)]
+        self._handed_out.discard(finished.sample.group_uid)
+        return []

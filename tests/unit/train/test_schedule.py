@@ -1,10 +1,13 @@
-"""The asynchronous schedule's rules, without an event loop: staleness, admission, the group buffer."""
+"""The asynchronous schedule's rules, without an event loop: staleness, admission, the group buffer, and the
+AsyncSchedule object the orchestrator drives (fakes for prompts and groups)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
-from agentloop.train.schedule import Admission, GroupBuffer, Staleness
+from agentloop.train.schedule import Admission, AsyncSchedule, Cancel, GroupBuffer, Retry, Staleness
 
 
 def test_staleness_window():
@@ -99,3 +102,120 @@ def test_buffer_takes_oldest_eligible_first_and_returns_uid_order():
     assert buf.evict_stale(3) == ["g5"] and len(buf) == 1
     with pytest.raises(ValueError):
         buf.add(9, 2, "dup")
+
+
+# ---------------------------------------------------------------------------- AsyncSchedule, driven by fakes
+
+
+@dataclass
+class P:
+    """A prompt as the cursor hands it out."""
+
+    uid: int
+    attempt: int = 0
+
+    @property
+    def group_uid(self) -> int:
+        return self.uid
+
+
+@dataclass
+class G:
+    """A group as it leaves the stream."""
+
+    sample: P
+    oldest: int | None
+    cancelled: str | None = None
+    n: int = 2
+
+    @property
+    def oldest_version(self) -> int | None:
+        return self.oldest
+
+
+def admit_all(s: AsyncSchedule, nxt: list[int]) -> list[P]:
+    out = []
+    for _ in range(s.admit()):
+        p = P(nxt[0])
+        nxt[0] += 1
+        s.started(p)
+        out.append(p)
+    return out
+
+
+def test_eta_zero_admits_and_batches_exactly_the_synchronous_steps():
+    s: AsyncSchedule[G] = AsyncSchedule(2, 0, total=6)
+    nxt = [0]
+    for step in (1, 2, 3):
+        assert s.step_begins(step, {}) == []
+        prompts = admit_all(s, nxt)
+        assert [p.uid for p in prompts] == [2 * step - 2, 2 * step - 1]
+        assert s.admit() == 0 and s.take(step) is None  # nothing more until the batch trains
+        for p in reversed(prompts):  # finishing order does not matter
+            assert s.group_done(G(p, step - 1), complete=True) == []
+        batch = s.take(step)
+        assert [g.sample.uid for g in batch] == [p.uid for p in prompts]
+        s.version_pushed(step)
+    assert s.admit() == 0 and s.untrained() == [] and s.counts["groups_cancelled"] == 0
+
+
+def test_cancelled_and_stale_groups_are_given_out_again_and_leave_their_room():
+    s: AsyncSchedule[G] = AsyncSchedule(2, 1, total=8)
+    nxt = [0]
+    ps = admit_all(s, nxt)
+    assert len(ps) == 4  # (η + 1)·B at version 0
+    cmds = s.group_done(G(ps[0], None, cancelled="stale: started at 0"), complete=False)
+    assert cmds == [Retry(ps[0])] and s.admit() == 1  # its room is given again
+    assert s.group_done(G(ps[1], None, cancelled="the run ended"), complete=False) == [Retry(ps[1])]
+    assert (s.counts["cancelled_stale"], s.counts["cancelled_other"], s.counts["episodes_cancelled"]) == (1, 1, 4)
+    # step 3 with η = 1 needs versions >= 1: a group of version 0 that finishes then is not kept
+    s.step_begins(3, {})
+    assert s.group_done(G(ps[2], 0), complete=True) == [Retry(ps[2])] and len(s) == 0
+
+
+def test_a_new_step_evicts_buffered_groups_and_cancels_running_ones_that_became_too_stale():
+    s: AsyncSchedule[G] = AsyncSchedule(1, 0, total=5)
+    nxt = [0]
+    (a,) = admit_all(s, nxt)
+    s.group_done(G(a, 0), complete=True)
+    s.take(1)
+    s.version_pushed(1)
+    (b,) = admit_all(s, nxt)
+    s.group_done(G(b, 0), complete=True)  # finished after step 1 trained: step 2 (η = 0) needs version 1
+    assert len(s) == 0 and s.counts["groups_cancelled"] == 1
+    (c,) = admit_all(s, nxt)
+    s.group_done(G(c, 1), complete=True)
+    assert len(s) == 1
+    s.take(2)
+    s.version_pushed(2)
+    (d,) = admit_all(s, nxt)
+    s.group_done(G(d, 2), complete=True)
+    cmds = s.step_begins(3, {7: 1, 8: 2, 9: None})  # running groups: uid -> started version
+    assert cmds == [Cancel(7, "stale: started at version 1, step 3 needs >= 2")]
+    s.version_pushed(2)
+    assert s.step_begins(4, {}) == [Retry(d)] and len(s) == 0  # version 2 can no longer join step 4
+
+
+def test_infrastructure_failures_are_retried_a_bounded_number_of_times():
+    s: AsyncSchedule[G] = AsyncSchedule(1, 0, total=3, infra_retries=2)
+    (p,) = admit_all(s, [5])
+    assert s.group_done(G(p, 0), complete=False) == [Retry(p)]
+    again = P(5, attempt=1)
+    s.started(again)
+    assert s.group_done(G(again, 0), complete=False) == [Retry(again)]
+    last = P(5, attempt=2)
+    s.started(last)
+    assert s.group_done(G(last, 0), complete=False) == []  # given up: no longer owed to a checkpoint
+    assert s.counts["groups_dropped_infra"] == 3 and s.untrained() == []
+
+
+def test_a_run_that_ends_gives_nothing_out_again_and_keeps_what_it_owes():
+    s: AsyncSchedule[G] = AsyncSchedule(2, 1, total=8, first_step=4)
+    ps = admit_all(s, [30])
+    assert len(ps) == 4  # a resumed run keeps a fresh run's bound
+    s.end()
+    assert s.admit() == 0
+    assert s.group_done(G(ps[0], None, cancelled="the run ended"), complete=False) == []
+    assert s.untrained() == [30, 31, 32, 33]  # the data state gives them out again on resume
+    assert s.since({"groups_cancelled": 0}, ["groups_cancelled", "groups_dropped_infra"]) == \
+        {"groups_cancelled": 1, "groups_dropped_infra": 0}
