@@ -14,9 +14,11 @@ Map:
                        them: position ids restart per row, and `doc_ids`/`seg_ids` say what may attend
                        to what (agentloop.train.attention turns them into a block or dense mask)
     episode_return     per-token reward -> its return to the end of the episode (KL in the reward)
-    plan_micro_batches all of the above for one rank and one mini-batch, padded with empty
-                       micro-batches so every rank runs the same number of forward/backward passes
-                       (FSDP collectives would hang otherwise)
+    plan_ranks         every rank's micro-batches of one mini-batch (rows of episode indices, pure), padded
+                       with empty micro-batches so every rank runs the same number of forward/backward
+                       passes (FSDP collectives would hang otherwise): the orchestrator plans a step
+    collate_micro_batches  one rank's planned micro-batches as tensors (the learner)
+    plan_micro_batches both, for one rank
 
 Alignment: a sequence is prompt_ids + response_ids = s[0..n-1]. The model input is s[0..n-2]
 and `targets[j] = s[j+1]`, so logits at position j give the logprob of target j. Response token
@@ -109,6 +111,8 @@ class Prepared:
     """Their model-token counts."""
     ok_episode: list[int] = field(default_factory=list)
     """Per usable record, its index in `episodes`, -1 when it is not there."""
+    uids: list[int] = field(default_factory=list)
+    """Per episode, its record's uid (the GRPO group; -1 when the record has none)."""
 
 
 def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared:
@@ -173,7 +177,7 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
     return Prepared(episodes=eps, metrics=metrics,
                     ok_rewards=torch.tensor(rewards, dtype=torch.float64), ok_groups=groups,
                     ok_lengths=torch.tensor([r.num_model_tokens for r in ok], dtype=torch.int64),
-                    ok_episode=ok_episode)
+                    ok_episode=ok_episode, uids=[-1 if r.uid is None else r.uid for r, e in zip(ok, entered) if e])
 
 
 def staleness_metrics(episodes: list[Episode], step: int, *, max_lag_bucket: int = 4) -> dict[str, float]:
@@ -550,6 +554,61 @@ def _collate_rows(
                       seg_ids=None if seg is None else t(seg))
 
 
+def mini_batch_totals(episodes: list[Episode], idxs: Sequence[int]) -> tuple[float, float]:
+    """(model tokens, sequences with model tokens) of the mini-batch `idxs`: the denominators of its weights."""
+    return (float(sum(episodes[i].model_tokens for i in idxs)),
+            float(sum(1 for i in idxs if episodes[i].model_tokens > 0)))
+
+
+def plan_ranks(
+    episodes: list[Episode],
+    idxs: list[int],
+    *,
+    budget: int,
+    world: int = 1,
+    share: ShareMode = "off",
+    cost: RowCost | None = None,
+) -> list[list[list[list[int]]]]:
+    """Every rank's micro-batches of the mini-batch `idxs`: [rank][micro-batch][row] -> episode indices, each
+    rank padded with empty micro-batches to the count of the busiest one (FSDP collectives would hang otherwise).
+
+    Rows are `share_items`; a rank's rows are token-balanced (`shard_for_rank`) and packed under `budget`
+    (`pack_greedy`). Pure: the orchestrator plans a step for all ranks, each rank collates its own
+    (`collate_micro_batches`)."""
+    items = share_items(episodes, idxs, budget=budget, share=share, cost=cost)
+    # Rows are indexed by their first episode, so share=off packs exactly as a row per episode.
+    lengths = {it[0]: item_length(episodes, it) for it in items}
+    by_first = {it[0]: it for it in items}
+    plans = [pack_greedy(shard_for_rank(list(by_first), lengths, r, world), lengths, budget) for r in range(world)]
+    n_max = max(len(p) for p in plans)
+    return [[[by_first[f] for f in firsts] for firsts in p + [[] for _ in range(n_max - len(p))]] for p in plans]
+
+
+def collate_micro_batches(
+    episodes: list[Episode],
+    micro_batches: list[list[list[int]]],
+    mode: LossAggMode,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+    pad_id: int = 0,
+    layout: Layout = "padded",
+    pad_multiple: int = 1,
+) -> list[MicroBatch]:
+    """Tensors of one rank's micro-batches (rows of episode indices, `plan_ranks`), with the mini-batch's totals
+    `num_tokens` / `num_seqs`. Padded layout: a micro-batch with a shared row gets the 4-D mask for all its rows.
+    Packed layout: each micro-batch is one packed row (`collate_packed`)."""
+    out = []
+    for rows in micro_batches:
+        if layout == "packed":
+            out.append(collate_packed(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                      pad_id=pad_id, pad_multiple=pad_multiple))
+        else:
+            out.append(_collate_rows(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                     pad_id=pad_id, shared=any(len(it) > 1 for it in rows)))
+    return out
+
+
 def plan_micro_batches(
     episodes: list[Episode],
     idxs: list[int],
@@ -564,30 +623,11 @@ def plan_micro_batches(
     layout: Layout = "padded",
     pad_multiple: int = 1,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches of the mini-batch `idxs`, padded to the count of the busiest rank.
-
-    Rows are `share_items`. Padded layout: a micro-batch with a shared row gets the 4-D mask for all its
-    rows. Packed layout: each micro-batch is one packed row (`collate_packed`).
-    """
-    num_tokens = float(sum(episodes[i].model_tokens for i in idxs))
-    num_seqs = float(sum(1 for i in idxs if episodes[i].model_tokens > 0))
-    items = share_items(episodes, idxs, budget=budget, share=share, cost=cost)
-    # Rows are indexed by their first episode, so share=off packs exactly as a row per episode.
-    lengths = {it[0]: item_length(episodes, it) for it in items}
-    by_first = {it[0]: it for it in items}
-    plans = [pack_greedy(shard_for_rank(list(by_first), lengths, r, world), lengths, budget) for r in range(world)]
-    n_max = max(len(p) for p in plans)
-    mine = plans[rank] + [[] for _ in range(n_max - len(plans[rank]))]
-    out = []
-    for firsts in mine:
-        rows = [by_first[f] for f in firsts]
-        if layout == "packed":
-            out.append(collate_packed(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                      pad_id=pad_id, pad_multiple=pad_multiple))
-        else:
-            out.append(_collate_rows(episodes, rows, mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                     pad_id=pad_id, shared=any(len(it) > 1 for it in rows)))
-    return out
+    """This rank's micro-batches of the mini-batch `idxs`: `plan_ranks` then `collate_micro_batches`."""
+    num_tokens, num_seqs = mini_batch_totals(episodes, idxs)
+    mine = plan_ranks(episodes, idxs, budget=budget, world=world, share=share, cost=cost)[rank]
+    return collate_micro_batches(episodes, mine, mode, num_tokens=num_tokens, num_seqs=num_seqs, pad_id=pad_id,
+                                 layout=layout, pad_multiple=pad_multiple)
 
 
 __all__ = [
@@ -597,14 +637,17 @@ __all__ = [
     "RowCost",
     "ShareMode",
     "collate",
+    "collate_micro_batches",
     "collate_packed",
     "collate_shared",
     "episode_return",
     "kl_reward_advantages",
     "item_length",
     "mini_batch_indices",
+    "mini_batch_totals",
     "pack_greedy",
     "plan_micro_batches",
+    "plan_ranks",
     "prepare_episodes",
     "shard_for_rank",
     "share_items",
