@@ -168,6 +168,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="resume an existing --run-dir although the model, the data or an algo.*/learner.* field "
                         "changed (the old config is kept as config.prev.yaml), or although the training rows "
                         "differ from those the checkpoint's data position was stored for")
+    ln = sub.add_parser("learner-node", help="one more node of a learner spanning hosts without Ray "
+                        "(learner.nnodes > 1): start this host's ranks, which join the run's torchrun rendezvous",
+                        description="Run on each learner host but the first, once `agentloop train` with "
+                                    "learner.nnodes > 1 has started there; RUN_DIR is the run's directory on the "
+                                    "filesystem every node shares. Exits with the learner.")
+    ln.add_argument("--run-dir", required=True, help="the run's directory (shared by every node)")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     br = bsub.add_parser("rollout", help="engine vs bare aiohttp client, same requests, same server")
@@ -387,6 +393,17 @@ def overrides_last(argv: list[str], value_options: set[str]) -> list[str]:
     return head + tail
 
 
+def _backend(cfg):
+    """The training backend `cluster.backend` names (None: this host's, the default)."""
+    if cfg.cluster.backend != "ray":
+        return None
+    try:
+        from agentloop.cluster import RayBackend
+    except ImportError as e:
+        raise ConfigError(f"cluster.backend=ray needs Ray ({e}): pip install 'agentloop[ray]'") from None
+    return RayBackend(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(overrides_last(list(sys.argv[1:] if argv is None else argv), _value_options(parser)))
@@ -417,6 +434,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _data_prepare(args) if args.data == "prepare" else _data_check(args)
     if args.command == "retriever":
         return _retriever_serve(args)
+    if args.command == "learner-node":
+        import subprocess
+
+        from agentloop.train.learner_process import node_command
+
+        cmd = node_command(args.run_dir)
+        print(f"agentloop learner-node: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        return subprocess.call(cmd)
     if args.command == "trace":
         from agentloop.report.trace_html import write_trace_html
 
@@ -447,7 +472,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from agentloop.train.orchestrator import run_train
 
-        run_dir, final = run_train(cfg, force=args.force)
+        run_dir, final = run_train(cfg, force=args.force, backend=_backend(cfg))
         m = final.get("metrics", {})
         print(f"agentloop train: done, run dir {run_dir}")
         for k in ("train/reward", "train/accuracy", "train/tool_call_rate", "val/reward", "val/accuracy"):

@@ -9,6 +9,7 @@ Map:
     DataConfig         where rows come from
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
+    ClusterConfig      where a training run's servers and learner run: this host, or a Ray cluster
     AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
     Config             the root; `load_config(path, overrides)` builds it
     validate_for_training  the rules that hold only when rollouts train a policy (`agentloop train`):
@@ -297,6 +298,50 @@ class TrainConfig(Section):
     sampling config is an error in training."""
 
 
+class ClusterConfig(Section):
+    """Where `agentloop train` runs its servers and learner (README, "Beyond one machine")."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: servers and learner on this host (or the learner over several hosts with torchrun's rendezvous,
+    `learner.nnodes`). ray: every SGLang server a Ray actor holding its GPUs, the learner's ranks Ray actors in a
+    placement group forming their torch.distributed group themselves; batches and control travel through Ray
+    (needs `pip install 'agentloop[ray]'`)."""
+    address: str | None = None
+    """backend ray: the running Ray cluster to join (`host:6379`, `auto`, or `ray://host:10001`); None: a local
+    Ray instance started for the run (and stopped after it)."""
+    shared_fs: bool = False
+    """backend ray: every node sees the run dir and the learner's directory at the same path (a shared filesystem),
+    so servers load the learner's HF weights from it directly. False: no shared filesystem is assumed, each HF
+    weights directory the servers load (weight_sync disk, a resume, a resync) travels through Ray's object store
+    to every server's node, into that node's temp dir."""
+    learner_dir: str | None = None
+    """backend ray: where the learner's ranks keep weights/, checkpoints/ and their logs: a path every learner
+    node reaches (a shared filesystem mount when the ranks span nodes); resume and the final model live here.
+    None: the run dir (one host, or a shared filesystem)."""
+    server_resources: dict[str, float] = Field(default_factory=dict)
+    """backend ray: custom Ray resources each server actor requires, to place servers on given nodes (e.g.
+    {"inference": 1} with `ray start --resources='{"inference": 8}'` on those nodes)."""
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    """backend ray: custom Ray resources each learner rank's placement-group bundle requires."""
+    server_gpus: float | None = Field(default=None, ge=0)
+    """backend ray: GPUs each server actor holds (a fraction, e.g. 0.5, to share a GPU with a learner rank:
+    `colocate`). None: 1 with CUDA servers, 0 on CPU."""
+    learner_gpus: float | None = Field(default=None, ge=0)
+    """backend ray: GPUs each learner rank holds. None: 1 with a CUDA learner (0.5 when `colocate`), 0 on CPU."""
+    colocate: bool = False
+    """backend ray: server i and learner rank i share rank i's placement-group bundle (its GPU); each holds
+    `server_gpus` / `learner_gpus` of it (default 0.5 each). Needed for learner.weight_sync=tensor (CUDA IPC
+    works only between processes on one GPU's host)."""
+    placement: Literal["pack", "spread"] = "pack"
+    """backend ray: the learner ranks' placement group strategy (pack: as few nodes as fit; spread: one per node
+    where possible)."""
+    server_restarts: int = Field(default=1, ge=0)
+    """backend ray: how often Ray restarts a server actor whose process or node died (it comes back at the same
+    node and port; the run re-admits it only once it serves the current weights, as any server)."""
+    cpus_per_actor: float = Field(default=1.0, ge=0)
+    """backend ray: CPUs each server actor and learner rank reserves."""
+
+
 class Config(Section):
     name: str = "agentloop"
     """Run name; the run directory is `<runs_dir>/<name>-<timestamp>`."""
@@ -332,6 +377,8 @@ class Config(Section):
     """Your own agent, run by openai_agent_loop (entry function or command) against the gateway."""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     """The OpenAI/Anthropic-compatible HTTP gateway openai_agent_loop serves agents through."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Where a training run's servers and learner run (this host, or a Ray cluster)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
@@ -341,6 +388,44 @@ class Config(Section):
             raise ValueError("rollout.loop=openai_agent_loop runs your agent: set agent.entry=path.py:fn "
                              "or agent.command=\"...\"")
         return self
+
+
+RAY_ONLY = frozenset({"address", "shared_fs", "learner_dir", "server_resources", "learner_resources", "server_gpus",
+                      "learner_gpus", "colocate", "placement", "server_restarts", "cpus_per_actor"})
+"""The cluster keys that mean something only with cluster.backend=ray."""
+
+
+def _cluster_problems(cfg: Config) -> list[str]:
+    """Combinations of cluster, server and learner settings that cannot work (each with what to do instead)."""
+    c, ws, out = cfg.cluster, cfg.learner.weight_sync, []
+    if c.backend == "local":
+        default = ClusterConfig()  # a resolved config (config.yaml) names every key: compare values
+        set_here = sorted(k for k in RAY_ONLY if getattr(c, k) != getattr(default, k))
+        if set_here:
+            out.append(f"cluster.{', cluster.'.join(set_here)} only apply to cluster.backend=ray")
+        if cfg.learner.nnodes > 1 and ws == "tensor":
+            out.append("learner.nnodes > 1 with learner.weight_sync=tensor: CUDA IPC needs the servers on the "
+                       "learner's host; use nccl (or disk, on the shared filesystem the run dir is on)")
+        return out
+    if cfg.learner.nnodes > 1:
+        out.append("learner.nnodes > 1 is torchrun's own rendezvous (cluster.backend=local); with cluster.backend=ray "
+                   "the learner ranks are Ray actors placed by Ray: set learner.nproc only")
+    if ws == "tensor" and not c.colocate:
+        out.append("learner.weight_sync=tensor with cluster.backend=ray needs cluster.colocate=true: CUDA IPC works "
+                   "only between a learner rank and servers on its GPU; use nccl for servers elsewhere")
+    if c.colocate and cfg.server.urls:
+        out.append("cluster.colocate places Ray server actors next to the learner ranks; server.urls servers are "
+                   "not Ray's to place")
+    if c.colocate and not cfg.server.urls and cfg.server.num_local > cfg.learner.nproc:
+        out.append(f"cluster.colocate puts server i on learner rank i's GPU: server.num_local="
+                   f"{cfg.server.num_local} > learner.nproc={cfg.learner.nproc}")
+    if cfg.server.urls and ws == "disk" and not c.shared_fs:
+        out.append("server.urls with cluster.backend=ray and learner.weight_sync=disk: servers given by URL read the "
+                   "learner's weights from their own filesystem; set cluster.shared_fs=true (a shared filesystem) "
+                   "or use learner.weight_sync=nccl")
+    if cfg.server.device == "cpu" and ws != "disk":
+        out.append(f"learner.weight_sync={ws} needs CUDA servers; CPU servers load weights from disk")
+    return out
 
 
 def validate_for_training(cfg: Config) -> Config:
@@ -368,6 +453,7 @@ def validate_for_training(cfg: Config) -> Config:
         problems.append("server.urls (--server-url) is set but model.path (--model) is not: the learner would train "
                         "the built-in tiny model while the servers serve whatever they were started with; pass "
                         "--model DIR, the Hugging Face directory the servers were started with")
+    problems += _cluster_problems(cfg)
     if truncated and not cfg.train.accept_biased_ratios:
         problems.append(f"{', '.join(truncated)} truncates sampling, but the server's logprobs are those of the "
                         "full tempered softmax, so PPO ratios and TIS weights would be off; use the defaults "

@@ -52,7 +52,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -832,18 +832,27 @@ class ServerManager:
     async def flush_cache(self) -> None:
         await self._broadcast("/flush_cache", None)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None, *,
-                                       flush_cache: bool = True, urls: list[str] | None = None) -> list[Any]:
-        """Load HF weights into the servers (`urls`, default: admitted ones and version-stale ones).
+    async def update_weights_from_disk(self, model_path: str | Mapping[str, str],
+                                       weight_version: int | str | None = None, *, flush_cache: bool = True,
+                                       urls: list[str] | None = None) -> list[Any]:
+        """Load HF weights into the servers (`urls`, default: admitted ones and version-stale ones) from
+        `model_path`: one directory every server reads, or one per server URL (servers on other nodes each read
+        their own copy).
 
         A server that fails the update is ejected (it is resynced before it comes back) as long as one
         succeeded; with none succeeding it is an error."""
-        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
+        def payload(i: int) -> dict[str, Any]:
+            path = model_path if isinstance(model_path, str) else model_path[self.urls[i]]
+            body: dict[str, Any] = {"model_path": path, "flush_cache": flush_cache}
+            if weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            return body
+
+        if not isinstance(model_path, str):
+            model_path = {u.rstrip("/"): p for u, p in model_path.items()}
         to = urls if urls is not None else await self.reachable_targets()
         targets = [self.urls.index(u.rstrip("/")) for u in to]
-        results = await asyncio.gather(*(self._admin_post(self.urls[i], "/update_weights_from_disk", payload)
+        results = await asyncio.gather(*(self._admin_post(self.urls[i], "/update_weights_from_disk", payload(i))
                                          for i in targets), return_exceptions=True)
         version = parse_version(weight_version)
         ok, failures = [], []

@@ -2,7 +2,8 @@
 
 Map:
     ServerPool     the protocol: `launch()` starts (or finds) the servers and returns their URLs, `urls`,
-                   `stop()` ends what `launch` started (bounded); a pool never touches a ServerManager
+                   `stop()` ends what `launch` started (bounded), `stage(path)` where each server reads a
+                   learner's weights directory; a pool never touches a ServerManager
     UrlPool        servers someone else runs (`server.urls`): nothing to start or stop
     LocalPool      `server.num_local` SGLang servers launched on this host (logs in the run dir)
     pool_for       the pool the config asks for on this host (the Ray backend brings its own:
@@ -18,8 +19,10 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from agentloop.config import Config, ServerConfig
+from agentloop.errors import ServerError
 from agentloop.inference.launcher import LocalServer, launch_servers, stop_servers
 from agentloop.server_manager import ResyncHook, ServerManager
 
@@ -39,6 +42,16 @@ class ServerPool(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Stop what `launch` started (each server within its shutdown timeout); idempotent."""
+
+    async def stage(self, path: str, host: Any = None) -> str | dict[str, str]:
+        """Where the servers read an HF directory of the learner's at `path`: the path itself (one host, or a
+        filesystem every server sees), or a path per server URL (a pool that copies it to each server's node).
+        `host`: None when `path` is readable here; otherwise what holds it (agentloop.train.handle.WeightsOnDisk),
+        which only a pool that can fetch from it accepts."""
+        if host is not None:
+            raise ServerError(f"the weights {path} are on another node and this server pool reads only paths it "
+                              "sees: use a shared filesystem, or the Ray backend's pool")
+        return path
 
 
 class UrlPool(ServerPool):

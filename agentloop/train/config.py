@@ -307,7 +307,16 @@ class LearnerConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype (master weights and optimizer state stay float32). auto: bfloat16 on GPU, float32 on CPU."""
     nproc: int = Field(default=1, ge=1)
-    """Learner ranks (torchrun --nproc-per-node)."""
+    """Learner ranks per node (torchrun --nproc-per-node); with cluster.backend=ray, the learner's ranks (Ray
+    actors)."""
+    nnodes: int = Field(default=1, ge=1)
+    """Hosts the learner spans without Ray (torchrun --nnodes, with its c10d rendezvous at `rdzv_endpoint`): the
+    run starts the first node's ranks, and `agentloop learner-node --run-dir RUN_DIR` starts each other node's
+    (the run dir on a filesystem every node sees at the same path: the mailbox, weights and checkpoints live there).
+    World size nnodes * nproc."""
+    rdzv_endpoint: str | None = None
+    """nnodes > 1: host:port of torchrun's rendezvous, reachable from every learner node (the first node's
+    address and a free port)."""
     gpus: list[int] | None = None
     """GPUs the learner ranks use (CUDA_VISIBLE_DEVICES of the learner; at least `nproc` of them). None:
     every visible GPU, rank r on GPU r. With servers on other GPUs, use weight_sync nccl or disk (CUDA IPC,
@@ -367,6 +376,11 @@ class LearnerConfig(_Section):
         if self.attention == "flex" and self.device == "cpu":
             raise ValueError("learner.attention=flex needs a CUDA learner (FlexAttention has no CPU backward); "
                              "use packed_sdpa or padded on CPU")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"learner.nnodes={self.nnodes} needs learner.rdzv_endpoint=HOST:PORT (torchrun's "
+                             "rendezvous, reachable from every learner node)")
+        if self.rdzv_endpoint is not None and ":" not in self.rdzv_endpoint:
+            raise ValueError(f"learner.rdzv_endpoint={self.rdzv_endpoint!r}: expected HOST:PORT")
         if self.weight_sync != "disk" and self.device == "cpu":
             raise ValueError(f"weight_sync={self.weight_sync!r} needs a GPU learner (device cuda or auto)")
         return self

@@ -35,14 +35,17 @@ Map:
     init_distributed       join torchrun's process group, or make a single-rank one
     Learner                model + optimizer (+ reference); compute_logprobs, train_step, save_hf,
                            save_checkpoint (sync or background), poll/wait_checkpoint, load_checkpoint, close
-    serve                  the mailbox loop (rank 0 polls and broadcasts; every rank trains and logs)
+    serve                  the learner loop (rank 0 polls the inbox and broadcasts; every rank trains and logs);
+                           the inbox is the file mailbox, or the Ray learner's (agentloop.cluster)
     plan_final_save        what the end of a run still writes (pure); save_final writes it, for every sync path
     log_to_stdout          the learner process's log handler (flushed line by line)
-    _push_weights          weight_sync tensor|nccl: the sync.request/sync.go handshake, then the push
+    _ask_push              weight_sync tensor|nccl: ask for paused servers, learn where to push (every rank)
     main                   the command line (learner_process.learner_command builds it)
 
 Who calls whom: serve -> Learner -> batching / attention / logprobs / losses / checkpoint; serve ->
-weight_sync (pushes); Learner never touches the mailbox, so it is the API for an in-process trainer too.
+weight_sync (the transport's learner half: save or push); Learner never touches the mailbox, so it is the API
+for an in-process trainer too. The step's batch arrives prepared (batch_plan.TrainBatch: advantages and every
+rank's micro-batches, computed by the orchestrator); `train_step(records)` prepares one itself.
 
 How a step runs (train_step):
   * Model check (first, from the config alone): agentloop.train.model_support refuses a model the learner
@@ -368,10 +371,12 @@ class Learner:
         return model
 
     # forward ---------------------------------------------------------------------------------
-    def _plan(self, eps, idxs):
-        """This rank's micro-batches of episodes[idxs] (token budget, shared prompts per config)."""
+    def layout(self):
+        """How this learner lays out micro-batches (batch_plan.BatchLayout): what the orchestrator plans a step's
+        batch for. Shared prompts per config (auto: always with varlen/flex, which never compute a shared row's
+        masked pairs), packed rows for varlen/flex/packed_sdpa."""
         from agentloop.train.attention import BLOCK
-        from agentloop.train.batching import plan_micro_batches
+        from agentloop.train.batch_plan import BatchLayout
 
         share = self.cfg.share_prompt
         if share == "auto" and self.attention in ("flex", "varlen"):
@@ -382,10 +387,28 @@ class Learner:
             pad = self.cfg.micro_batch_tokens
         elif self.attention == "flex":
             pad = BLOCK
-        return plan_micro_batches(eps, idxs, self.algo.loss_agg_mode, budget=self.cfg.micro_batch_tokens,
-                                  rank=self.rank, world=self.world, pad_id=self.pad_id,
-                                  share=share, cost=self.row_cost, layout="packed" if packed else "padded",
-                                  pad_multiple=pad)
+        return BatchLayout(world=self.world, layout="packed" if packed else "padded", share=share,
+                           row_cost=(self.row_cost.per_token, self.row_cost.per_pair),
+                           budget=self.cfg.micro_batch_tokens, pad_multiple=pad, pad_id=self.pad_id,
+                           mini_batches=self.cfg.mini_batches, seed=self.cfg.seed)
+
+    def _collate(self, eps, micro_batches, idxs, layout):
+        """This rank's micro-batches (rows of episode indices) of the mini-batch `idxs`, as tensors."""
+        from agentloop.train.batching import collate_micro_batches, mini_batch_totals
+
+        num_tokens, num_seqs = mini_batch_totals(eps, idxs)
+        return collate_micro_batches(eps, micro_batches, self.algo.loss_agg_mode, num_tokens=num_tokens,
+                                     num_seqs=num_seqs, pad_id=layout.pad_id, layout=layout.layout,
+                                     pad_multiple=layout.pad_multiple)
+
+    def _plan(self, eps, idxs):
+        """This rank's micro-batches of episodes[idxs] (token budget, shared prompts per config)."""
+        from agentloop.train.batching import RowCost, plan_ranks
+
+        lay = self.layout()
+        mine = plan_ranks(eps, idxs, budget=lay.budget, world=lay.world, share=lay.share,
+                          cost=RowCost(*lay.row_cost))[self.rank]
+        return self._collate(eps, mine, idxs, lay)
 
     def _to_device(self, mb) -> None:
         """Move micro-batch `mb` to the learner's device, its attention inputs built first: the varlen
@@ -462,33 +485,39 @@ class Learner:
             torch.cuda.synchronize(self.device)
 
     def train_step(self, records, step: int) -> dict[str, float]:
-        """One training step on `records` (every rank passes the same full list); returns metrics.
+        """One training step on `records` (every rank passes the same full list): the batch the orchestrator
+        would send (batch_plan.prepare_batch with this learner's layout), then `train_batch`."""
+        from agentloop.train.batch_plan import prepare_batch
 
-        Failed and unscored records are excluded; advantages per (step, index) group; then
-        `ppo_epochs` x `mini_batches` optimizer steps. Metric names: batch/*, reward/*, adv/*,
-        actor/*, mismatch/*, async/*, time/*, perf/*. Losses and metrics stay on the device until the
-        step's end: the host waits for the device once per optimizer step (the gradient norm decides
-        whether to step) and once at the end.
+        return self.train_batch(prepare_batch(list(records), self.algo, self.layout(), step))
+
+    def train_batch(self, batch) -> dict[str, float]:
+        """One training step on a prepared batch (batch_plan.TrainBatch; every rank passes the same one, each
+        collates its own micro-batches); returns metrics.
+
+        The batch holds the episodes that enter the loss with their advantages and every rank's micro-batches;
+        then `ppo_epochs` x `mini_batches` optimizer steps. Metric names: batch/*, reward/*, adv/*, actor/*,
+        mismatch/*, async/*, time/*, perf/*. Losses and metrics stay on the device until the step's end: the
+        host waits for the device once per optimizer step (the gradient norm decides whether to step) and once
+        at the end.
         """
         import torch
         import torch.distributed as dist
 
-        from agentloop.train.batching import (
-            kl_reward_advantages,
-            mini_batch_indices,
-            prepare_episodes,
-            staleness_metrics,
-        )
+        from agentloop.train.batching import kl_reward_advantages
         from agentloop.train.losses import Stats, interpolate_proximal, policy_loss
 
         t0 = time.perf_counter()
         algo, cfg = self.algo, self.cfg
-        prepared = prepare_episodes(list(records), algo)
-        eps = prepared.episodes
+        step = batch.step
+        mine = self.layout()
+        if (batch.layout.world, batch.layout.layout) != (mine.world, mine.layout):
+            raise ValueError(f"step {step}: the batch was planned for {batch.layout.world} rank(s) of "
+                             f"{batch.layout.layout} rows; this learner runs {mine.world} of {mine.layout} rows")
+        eps = batch.episodes()
         lr = lr_at(step, cfg)
-        metrics: dict[str, float] = dict(prepared.metrics)
+        metrics: dict[str, float] = dict(batch.metrics)
         metrics["actor/lr"] = lr
-        metrics.update(staleness_metrics(eps, step))
         if not eps:
             self.step = step
             metrics["actor/skipped"] = 1.0
@@ -502,8 +531,9 @@ class Learner:
                                      "has none or some unknown")
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        minis = mini_batch_indices(len(eps), cfg.mini_batches, seed=cfg.seed * 1_000_003 + step)
-        plans = [self._plan(eps, idxs) for idxs in minis]
+        minis = batch.minis
+        plans = [self._collate(eps, per_rank[self.rank], idxs, batch.layout)
+                 for idxs, per_rank in zip(minis, batch.plan)]
         for mbs in plans:
             for mb in mbs:
                 self._to_device(mb)
@@ -529,7 +559,7 @@ class Learner:
                     dist.all_reduce(t)
 
             beta = self.kl_ctrl.value
-            vm, current_kl = apply_verl_order(plans, minis, prepared, algo, beta, all_reduce=reduce_sum)
+            vm, current_kl = apply_verl_order(plans, minis, batch.prepared(eps), algo, beta, all_reduce=reduce_sum)
             metrics.update(vm)
             if algo.use_kl_in_reward:
                 self.kl_ctrl.update(current_kl, len(eps))
@@ -805,16 +835,23 @@ def serve(
     resume: bool = True,
     heartbeat_s: float = 5.0,
     max_len: int | None = None,
+    inbox: Any = None,
 ) -> int:
-    """Train mailbox steps until STOP; returns an exit code (EXIT_OK / EXIT_FAILED / EXIT_TIMEOUT).
+    """Train the steps the inbox hands over until a stop; returns an exit code (EXIT_OK / EXIT_FAILED /
+    EXIT_TIMEOUT).
 
-    Rank 0 polls the mailbox and broadcasts one message per poll ("wait", "batch", "stop",
-    "timeout") so the other ranks never sit in a collective longer than `poll_s`.
+    `run_dir` holds the learner's files (weights/, checkpoints/, learner_config.json). `inbox`: how rank 0 hears
+    from the orchestrator (handle.LearnerInbox; called on rank 0 only, with the time this learner started): by
+    default the file mailbox in run_dir (agentloop.train.mailbox.LearnerMailbox). Rank 0 polls it and broadcasts
+    one message per poll ("wait", "batch", "stop", "timeout") so the other ranks never sit in a collective
+    longer than `poll_s`.
     """
     import torch.distributed as dist
 
     from agentloop.train.checkpoint import latest_checkpoint
-    from agentloop.train.mailbox import LearnerMailbox, MailboxError, MailboxPaths
+    from agentloop.train.handle import LearnerError
+    from agentloop.train.mailbox import LearnerMailbox, MailboxPaths
+    from agentloop.train.weight_sync import sync_from_config
 
     started = time.time()
     paths = MailboxPaths(Path(run_dir))
@@ -824,18 +861,18 @@ def serve(
         logger.info("model %s loaded in %.1fs: %d rank(s) on %s, %s, run dir %s", model_path, time.time() - started,
                     learner.world, learner.device_type, str(learner.compute_dtype).replace("torch.", ""), run_dir)
     dev = learner.device if learner.device_type == "cuda" else None
-    box = LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started) if rank == 0 else None
+    box = None
+    if rank == 0:
+        box = inbox(started) if callable(inbox) else LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started)
     syncer = None
     code = EXIT_OK
     try:
-        if cfg.weight_sync != "disk":
-            from agentloop.train.weight_sync import sync_from_config
-
-            if learner.device_type != "cuda":
-                raise ValueError(f"learner.weight_sync={cfg.weight_sync!r} needs a GPU learner")
-            syncer = sync_from_config(cfg)
+        if cfg.weight_sync != "disk" and learner.device_type != "cuda":
+            raise ValueError(f"learner.weight_sync={cfg.weight_sync!r} needs a GPU learner")
+        syncer = sync_from_config(cfg)  # the learner half of the weight transport (agentloop.train.weight_transport)
         if box is not None:
-            box.start_heartbeat()
+            box.start()
+            paths.weights_root.mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / "learner_config.json").write_text(json.dumps(
                 {"algo": algo.model_dump(), "learner": cfg.model_dump(), "model": str(model_path),
                  "world_size": learner.world}, indent=1))
@@ -860,9 +897,10 @@ def serve(
         next_step = learner.step + 1
         ckpt_step = resumed_step  # the newest checkpoint asked for (it may still be written in the background)
         if box is not None:
-            box.clear_after(learner.step)
-            box.update_info(status="ready", next_step=next_step, resumed_step=resumed_step,
-                            data_position=data_position, world_size=learner.world)
+            box.forget_after(learner.step)
+            _clear_weights_after(paths, learner.step)
+            box.report(status="ready", next_step=next_step, resumed_step=resumed_step,
+                       data_position=data_position, world_size=learner.world, layout=learner.layout().to_json())
             logger.info("ready for step %d (%s)", next_step,
                         f"resumed from checkpoint {ck}" if ck is not None else "fresh start")
         waited_since = time.monotonic()
@@ -870,19 +908,9 @@ def serve(
         while True:
             msg: Any = None
             if box is not None:
-                if box.batch_ready(next_step):
-                    try:
-                        records, meta = box.read_batch(next_step)
-                        msg = ("batch", records, meta)
-                    except Exception as e:  # noqa: BLE001 - unreadable batch: every rank stops, the orchestrator is told
-                        box.write_failed(next_step, e)
-                        msg = ("bad_batch", f"{type(e).__name__}: {e}")
-                elif (stop := box.stop_request()) is not None:
-                    msg = ("stop", bool(stop.get("final")))
-                elif time.monotonic() - waited_since > cfg.batch_timeout_s:
-                    msg = ("timeout",)
-                else:
-                    msg = ("wait",)
+                msg = box.poll(next_step)
+                if msg is None:
+                    msg = ("timeout",) if time.monotonic() - waited_since > cfg.batch_timeout_s else ("wait",)
             msg = _bcast(msg, dev)
             if msg[0] == "wait":
                 # a background checkpoint goes into place as soon as its files are written, also while the
@@ -899,34 +927,32 @@ def serve(
                 if msg[1]:  # the run ended normally: the last step reaches disk, whatever the sync path
                     weights_dir, ck_dir = save_final(learner, paths, data_position, dev)
                     if box is not None:
-                        box.write_final(learner.step, weights_dir, ck_dir)
+                        box.final(learner.step, None if weights_dir is None else str(weights_dir),
+                                  None if ck_dir is None else str(ck_dir))
                         logger.info("final model of step %d: HF weights %s, checkpoint %s", learner.step,
                                     weights_dir, ck_dir)
                 break
             if msg[0] == "bad_batch":
-                raise MailboxError(f"step {next_step}: unreadable batch: {msg[1]}")
+                raise LearnerError(f"step {next_step}: unreadable batch: {msg[1]}")
             if msg[0] == "timeout":
                 if box is not None:
-                    box.update_info(status="failed", error=f"no batch for step {next_step} in {cfg.batch_timeout_s}s")
+                    box.report(status="failed", error=f"no batch for step {next_step} in {cfg.batch_timeout_s}s")
                     logger.error("no batch for step %d within learner.batch_timeout_s=%gs: exiting with code %d",
                                  next_step, cfg.batch_timeout_s, EXIT_TIMEOUT)
                 code = EXIT_TIMEOUT
                 break
-            _, records, meta = msg
+            _, batch, meta = msg
             step = next_step
             try:
+                if batch.step != step:
+                    raise ValueError(f"the batch handed over for step {step} is step {batch.step}'s")
                 if box is not None:
-                    box.update_info(status="training", step=step)
-                    logger.info("step %d: training on %d records", step, len(records))
+                    box.report(status="training", step=step)
+                    logger.info("step %d: training on %d episodes", step, batch.num_episodes)
                 t_step = time.perf_counter()
-                metrics = learner.train_step(records, step)
+                metrics = learner.train_batch(batch)
                 # checkpoint_every None (null) = never
                 ckpt_due = cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0
-                wdir = None
-                if syncer is None:  # disk: the servers load this directory (pushing paths need none)
-                    t = time.perf_counter()
-                    wdir = learner.save_hf(paths.weights(step))
-                    metrics["time/save_hf_s"] = time.perf_counter() - t
                 data_position = meta.get("data_position")
                 written = learner.checkpoint_written_s()
                 if written is not None or ckpt_written is not None:
@@ -942,20 +968,24 @@ def serve(
                     metrics["time/checkpoint_s"] = time.perf_counter() - t
                     if rank == 0:
                         logger.info("step %d: checkpoint saved to %s", step, ck_dir)
-                if syncer is not None:
-                    metrics.update(_push_weights(learner, syncer, box, step, dev, cfg.weight_sync_timeout_s))
+                # disk saves weights/step-N (the servers load it); tensor|nccl push after the orchestrator paused
+                # the servers (it answers the request with where to push, in which interrupt mode)
+                pub = syncer.publish(learner, step, paths.weights(step),
+                                     ask=lambda s, method: _ask_push(box, s, method, dev, cfg.weight_sync_timeout_s))
+                metrics.update(pub.metrics)
                 if box is not None:
                     logger.info("step %d done: %s", step, _step_summary(metrics, time.perf_counter() - t_step,
-                                                                       "pushed to the servers" if syncer is not None
-                                                                       else f"weights in {wdir}"))
-                    box.write_done(step, wdir, metrics, pushed=syncer is not None)
-                    box.prune_weights(cfg.keep_weights, protect=_checkpoint_steps(paths, ckpt_step))
+                                                                       "pushed to the servers" if pub.pushed
+                                                                       else f"weights in {pub.weights_dir}"))
+                    box.done(step, None if pub.weights_dir is None else str(pub.weights_dir), metrics,
+                             pushed=pub.pushed)
+                    _prune_weights(paths, cfg.keep_weights, protect=_checkpoint_steps(paths, ckpt_step))
                     # next_step and data_position together say where the run stands (wait_caught_up)
-                    box.update_info(status="ready", next_step=step + 1, last_step=step, data_position=data_position)
+                    box.report(status="ready", next_step=step + 1, last_step=step, data_position=data_position)
             except Exception as e:
                 if box is not None:
-                    box.write_failed(step, e)
-                    box.update_info(status="failed", error=f"{type(e).__name__}: {e}")
+                    box.failed(step, e)
+                    box.report(status="failed", error=f"{type(e).__name__}: {e}")
                 raise
             next_step = step + 1
             waited_since = time.monotonic()
@@ -971,6 +1001,29 @@ def serve(
         learner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _clear_weights_after(paths: Any, step: int) -> None:
+    """Weights of steps > step go (the learner resumed from a checkpoint of `step`: they are redone)."""
+    for d in paths.weights_root.glob("step-*"):
+        try:
+            s = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if s > step:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _prune_weights(paths: Any, keep: int | None, *, protect: Any = ()) -> None:
+    """Delete all but the newest `keep` weights/step-N directories, never those of the steps in `protect`
+    (the newest checkpoint's: a resume loads them into the servers)."""
+    if keep is None:
+        return
+    dirs = sorted((d for d in paths.weights_root.glob("step-*") if d.name[5:].isdigit()), key=lambda d: int(d.name[5:]))
+    keep_steps = set(protect)
+    for d in dirs[:-keep]:
+        if int(d.name[5:]) not in keep_steps:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _checkpoint_steps(paths: Any, requested: int | None) -> set[int]:
@@ -1033,39 +1086,22 @@ def _step_summary(metrics: dict[str, float], seconds: float, weights: str) -> st
     return ", ".join(parts + [f"{seconds:.1f}s", weights])
 
 
-def sync_go_flush(go: dict[str, Any]) -> bool:
-    """Whether the push the orchestrator allowed (its sync.go) may flush the servers' prefix caches: the
-    interrupt mode's `flush_in_update` (agentloop.interrupt). A sync.go without a mode (an older
-    orchestrator) gets none: a refused flush inside an update kills SGLang 0.5.17's scheduler, a missing one
-    only keeps stale KV. ValueError for an unknown mode."""
-    from agentloop.interrupt import interrupt_policy
+def _ask_push(box: Any, step: int, method: str, dev: Any, timeout_s: float) -> Any:
+    """Collective (weight_sync tensor|nccl): rank 0 asks the orchestrator to pause the servers and waits for its
+    answer (a PushOrder: where to push, in which interrupt mode); every rank learns the outcome, so no rank
+    waits in a gather for a push that will not come."""
+    from agentloop.train.handle import LearnerError
 
-    mode = go.get("interrupt")
-    return interrupt_policy(mode).flush_in_update if mode else False
-
-
-def _push_weights(learner: Learner, syncer: Any, box: Any, step: int, dev: Any, timeout_s: float) -> dict[str, float]:
-    """weight_sync tensor|nccl, collective: rank 0 asks the orchestrator to pause the servers
-    (sync.request) and waits for its sync.go; then every rank joins the push (the FSDP gathers) and
-    rank 0 sends to the servers named in sync.go, with the step as weight version."""
-    from agentloop.train.mailbox import MailboxError
-
-    go: Any = None
+    out: Any = None
     if box is not None:
-        box.request_sync(step, syncer.name)
         try:
-            answer = box.wait_sync_go(step, timeout_s)
-            go = ("go", list(answer.get("urls") or []), sync_go_flush(answer))
-        except (MailboxError, ValueError) as e:
-            go = ("fail", str(e))
-    go = _bcast(go, dev)  # the other ranks learn the outcome instead of waiting in a gather
-    if go[0] != "go":
-        raise MailboxError(go[1])
-    t = time.perf_counter()
-    metrics = syncer.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=learner.rank,
-                          urls=go[1], version=str(step), flush_cache=go[2])
-    metrics["time/sync_s"] = time.perf_counter() - t
-    return metrics
+            out = ("go", box.ask_push(step, method, timeout_s))
+        except (LearnerError, ValueError) as e:
+            out = ("fail", str(e))
+    out = _bcast(out, dev)
+    if out[0] != "go":
+        raise LearnerError(out[1])
+    return out[1]
 
 
 # command line --------------------------------------------------------------------------------

@@ -1,16 +1,21 @@
-"""LearnerProcess: the learner ranks as one child process group of `agentloop train` (torchrun for
-nproc > 1), its output in run_dir/learner.log, a bounded shutdown, and death with the orchestrator.
+"""The learner on this host: LearnerProcess, the learner ranks as one child process group of `agentloop
+train` (torchrun for nproc > 1), its output in run_dir/learner.log, a bounded shutdown, and death with the
+orchestrator; FileLearner, the learner handle (agentloop.train.handle) over that process and the file mailbox.
 
 learner.log opens with the command line (written here), then holds the learner's own lines (rank 0's
 progress, every rank's warnings and errors: see agentloop.train.learner) and anything its libraries print.
 
-The orchestrator never imports the learner (torch, FSDP): it starts it by command line and talks to it
-through the mailbox; `learner_command` is that command line.
+The orchestrator never imports the learner (FSDP, the model): it starts it by command line and talks to it
+through the mailbox; `learner_command` is that command line. Spanning hosts without Ray: `learner.nnodes` > 1
+runs torchrun's own rendezvous (`learner.rdzv_endpoint`), one `agentloop learner-node` per further host, all
+on a run dir every host sees (README, "Beyond one machine").
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import json
 import os
 import shlex
 import signal
@@ -18,9 +23,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from agentloop.config import Config
 from agentloop.errors import ConfigError
+from agentloop.train.handle import FinalResult, LearnerHandle, LearnerInfo, WeightsOnDisk
+from agentloop.train.mailbox import MailboxClient, MailboxPaths
+from agentloop.util.rundir import write_json
 
 
 def _die_with_parent() -> None:
@@ -42,8 +51,12 @@ class LearnerProcess:
     """The learner ranks as one child process group, with its output in run_dir/learner.log."""
 
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
-        self.cmd = learner_command(run_dir, model_path, nproc=cfg.learner.nproc, config=run_dir / "config.yaml",
-                                   resume=cfg.train.resume)
+        self.node_args = {"run_dir": str(run_dir), "model_path": str(model_path), "nproc": cfg.learner.nproc,
+                          "nnodes": cfg.learner.nnodes, "rdzv_endpoint": cfg.learner.rdzv_endpoint,
+                          "rdzv_id": rdzv_id(run_dir), "config": str(run_dir / "config.yaml"),
+                          "resume": cfg.train.resume}
+        """learner_command's arguments: every node of a multi-node learner runs the same (`node_command`)."""
+        self.cmd = learner_command(**self.node_args)
         self.log_path = run_dir / "learner.log"
         self.weight_sync = cfg.learner.weight_sync
         self.gpus = cfg.learner.gpus
@@ -52,6 +65,9 @@ class LearnerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> subprocess.Popen:
+        if self.node_args["nnodes"] > 1:
+            # what `agentloop learner-node --run-dir RUN_DIR` starts on each other node
+            write_json(Path(self.node_args["run_dir"]) / NODE_FILE, self.node_args)
         env = dict(os.environ)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # don't spin on cores the servers need
         env["PYTHONUNBUFFERED"] = "1"
@@ -95,18 +111,41 @@ class LearnerProcess:
         return self.proc.poll()
 
 
+NODE_FILE = "learner_node.json"
+"""In the run dir of a learner spanning hosts (learner.nnodes > 1): learner_command's arguments, read by
+`agentloop learner-node` on the other hosts."""
+
+
+def rdzv_id(run_dir: str | Path) -> str:
+    """torchrun's rendezvous id of a run's learner: the same on every node, new for every run dir."""
+    import hashlib
+
+    return "agentloop-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
 def learner_command(
     run_dir: str | Path,
     model_path: str | Path,
     *,
     nproc: int = 1,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
     config: str | Path | None = None,
     overrides: list[str] | None = None,
     resume: bool = True,
     python: str = sys.executable,
 ) -> list[str]:
-    """argv that launches the mailbox learner: torchrun for nproc > 1, plain python otherwise."""
-    if nproc > 1:
+    """argv that launches the mailbox learner: torchrun for nproc > 1 (one host) or nnodes > 1 (this host's share,
+    joining torchrun's c10d rendezvous at `rdzv_endpoint`; every node runs the same command), plain python
+    otherwise."""
+    if nnodes > 1:
+        if not rdzv_endpoint:
+            raise ConfigError(f"a learner over {nnodes} nodes needs learner.rdzv_endpoint=HOST:PORT")
+        cmd = [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'agentloop'}",
+               "--max-restarts=0", "-m", "agentloop.train.learner"]
+    elif nproc > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "agentloop.train.learner"]
     else:
@@ -119,3 +158,100 @@ def learner_command(
     if not resume:
         cmd.append("--no-resume")
     return cmd
+
+
+def _info(d: dict[str, Any]) -> LearnerInfo:
+    return LearnerInfo(next_step=int(d.get("next_step") or 1), resumed_step=d.get("resumed_step"),
+                       data_position=d.get("data_position"), world_size=int(d.get("world_size") or 1),
+                       layout=dict(d.get("layout") or {}))
+
+
+class FileLearner(LearnerHandle):
+    """The learner handle of one host (or a shared filesystem): a learner process (LearnerProcess, or none when
+    someone else runs it: liveness by heartbeat then) and the file mailbox in the run dir. Blocking mailbox
+    waits run in threads, off the event loop."""
+
+    def __init__(self, run_dir: Path, *, process: LearnerProcess | None = None, poll_s: float = 0.2,
+                 heartbeat_timeout_s: float = 120.0):
+        self.run_dir = Path(run_dir)
+        self.process = process
+        self.client = MailboxClient(run_dir, poll_s=poll_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        self.paths = MailboxPaths(self.run_dir)
+        self._started: float | None = None
+
+    @classmethod
+    def for_run(cls, cfg: Config, run_dir: Path, model_path: Path) -> FileLearner:
+        return cls(run_dir, process=LearnerProcess(cfg, run_dir, model_path))
+
+    async def start(self) -> None:
+        self._started = time.time()
+        if self.process is not None:
+            self.client.process = self.process.start()
+
+    async def wait_ready(self, timeout_s: float) -> LearnerInfo:
+        since = None if self._started is None or self.process is None else self._started - 1
+        return _info(await asyncio.to_thread(self.client.wait_ready, timeout_s, since=since))
+
+    async def wait_caught_up(self, step_timeout_s: float) -> LearnerInfo:
+        return _info(await asyncio.to_thread(self.client.wait_caught_up, step_timeout_s))
+
+    def submitted(self, step: int) -> bool:
+        return self.client.submitted(step)
+
+    async def submit(self, step: int, batch: Any, *, data_position: Any = None) -> None:
+        await asyncio.to_thread(self.client.submit, step, batch, data_position=data_position)
+
+    async def wait_update_or_sync(self, step: int, timeout_s: float) -> Any:
+        return await asyncio.to_thread(self.client.wait_update_or_sync, step, timeout_s)
+
+    async def allow_sync(self, step: int, order: Any) -> None:
+        await asyncio.to_thread(self.client.allow_sync, order)
+
+    async def wait_update(self, step: int, timeout_s: float) -> Any:
+        return await asyncio.to_thread(self.client.wait_update, step, timeout_s)
+
+    def finished_metrics(self, step: int) -> dict[str, float] | None:
+        return self.client.finished_metrics(step)
+
+    async def weights(self, step: int) -> WeightsOnDisk | None:
+        d = self.paths.weights(step)
+        return WeightsOnDisk(str(d)) if d.is_dir() else None
+
+    async def stop(self, *, final: bool = False) -> None:
+        self.client.stop(final=final)
+
+    async def wait_final(self, timeout_s: float) -> FinalResult:
+        done = await asyncio.to_thread(self.client.wait_final, timeout_s)
+        return FinalResult(step=done.get("step"), weights_dir=done.get("weights_dir"),
+                           checkpoint=done.get("checkpoint"))
+
+    def failure_context(self) -> str:
+        if self.process is None:
+            return ""
+        return f"--- learner.log tail ---\n{self.process.log_tail()}"
+
+    def where(self) -> str:
+        if self.process is None:
+            return f"learner mailbox: {self.run_dir / 'mailbox'}"
+        return f"learner log: {self.process.log_path}"
+
+    async def close(self) -> int | None:
+        if self.process is None:
+            return None
+        proc = self.process.proc
+        if proc is not None and proc.poll() is None:
+            self.client.stop()
+        return await asyncio.to_thread(self.process.stop)
+
+
+
+def node_command(run_dir: str | Path, python: str = sys.executable) -> list[str]:
+    """The learner command of one more node of a run whose learner spans hosts (`agentloop learner-node`): what the
+    run's first node runs, read from the run dir (on the shared filesystem), with this host's python."""
+    f = Path(run_dir) / NODE_FILE
+    try:
+        args = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{f} is missing: start `agentloop train` with learner.nnodes > 1 on the first node first "
+                          "(it writes it), and give every node the same run dir (a shared filesystem)") from None
+    return learner_command(**args, python=python)

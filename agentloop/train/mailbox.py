@@ -1,17 +1,22 @@
-"""The file protocol between the orchestrator (rollouts) and the learner ranks.
+"""The file protocol between the orchestrator (rollouts) and the learner ranks: one implementation of the
+learner handle (agentloop.train.handle; FileLearner in learner_process.py wraps MailboxClient and the learner
+process), LearnerMailbox its learner side.
 
 Both sides only need a shared filesystem, so they may run on different machines. Layout:
 
     RUN_DIR/mailbox/learner.json               learner rank 0: pid, host, status, next_step,
-                                               resumed_step, data_position, heartbeat (rewritten
-                                               every few seconds by a thread)
-    RUN_DIR/mailbox/step-000001/batch.jsonl    orchestrator: EpisodeRecord lines of step 1
-    RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after batch.jsonl: {"step", "num_records",
-                                               "data_position", "time"}
+                                               resumed_step, data_position, world_size, layout (how it
+                                               lays out micro-batches), heartbeat (rewritten every few
+                                               seconds by a thread)
+    RUN_DIR/mailbox/step-000001/batch.bin      orchestrator: step 1's batch as the learner trains it
+                                               (agentloop.train.batch_plan.TrainBatch, binary)
+    RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after batch.bin: {"step", "num_episodes",
+                                               "bytes", "data_position", "time"}
     RUN_DIR/mailbox/step-000001/sync.request   learner (weight_sync tensor|nccl), after training:
                                                {"step", "method", "time"}: pause the servers for me
     RUN_DIR/mailbox/step-000001/sync.go        orchestrator, once the servers are paused: {"step",
-                                               "urls", "time"}: push the weights to these servers now
+                                               "urls", "interrupt", "time"}: push the weights to these
+                                               servers now (weight_sync.PushOrder)
     RUN_DIR/mailbox/step-000001/update.done    learner: {"step", "weights_dir" (null when the learner
                                                pushed the weights itself), "pushed", "metrics", "time"}
     RUN_DIR/mailbox/step-000001/update.failed  learner: {"step", "error", "traceback", "time"}
@@ -32,7 +37,7 @@ Every file is written to a temporary name and renamed, so a reader never sees ha
 Steps are consumed in order, one batch per step; `data_position` is opaque to the learner: it
 is stored in checkpoints and reported back in learner.json after a resume.
 
-Sequence per step (weight_sync disk): orchestrator `submit(step, records)` -> learner trains ->
+Sequence per step (weight_sync disk): orchestrator `submit(step, batch)` -> learner trains ->
 learner saves weights/step-N (and a checkpoint when due) -> learner writes update.done ->
 orchestrator `wait_update(step)` returns the weights dir and metrics, and loads it into the servers.
 
@@ -58,49 +63,41 @@ otherwise it checks that learner.json's heartbeat is younger than `heartbeat_tim
 
 Map:
     MailboxPaths      where everything lives
-    MailboxClient     orchestrator side
-    SyncRequest       "pause the servers, then tell me to push" (weight_sync tensor|nccl)
-    LearnerMailbox    learner rank 0 side (the loop itself is `agentloop.train.learner.serve`)
-    MailboxError      base of MailboxTimeout, LearnerDiedError, LearnerFailedError
+    MailboxClient     orchestrator side (blocking calls; FileLearner runs them off the event loop)
+    LearnerMailbox    learner rank 0 side, a handle.LearnerInbox (the loop itself is `agentloop.train.learner.serve`)
+    read_batch        a submitted step's batch (TrainBatch), for tests and inspection
+The errors are the handle's (MailboxError = LearnerError, MailboxTimeout = LearnerTimeout, LearnerDiedError,
+LearnerFailedError), as are UpdateResult and SyncRequest.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from agentloop.errors import AgentLoopError
-from agentloop.records import EpisodeRecord, read_records
-from agentloop.util.fsio import atomic_write_json, atomic_write_text
+from agentloop.train.batch_plan import BatchLayout, TrainBatch, prepare_batch
+from agentloop.train.handle import (
+    LearnerDiedError,
+    LearnerError,
+    LearnerFailedError,
+    LearnerInbox,
+    LearnerTimeout,
+    SyncRequest,
+    UpdateResult,
+    WeightsOnDisk,
+)
+from agentloop.train.weight_sync import PushOrder
+from agentloop.util.fsio import atomic_write_bytes, atomic_write_json
 
-
-class MailboxError(AgentLoopError):
-    """Base of the learner-mailbox errors."""
-
-
-class MailboxTimeout(MailboxError, TimeoutError):
-    """A wait on the mailbox ran past its deadline."""
-
-
-class LearnerDiedError(MailboxError):
-    """The learner process exited, or its heartbeat went stale."""
-
-
-class LearnerFailedError(MailboxError):
-    """The learner wrote update.failed for a step; `traceback` holds its traceback."""
-
-    def __init__(self, message: str, *, step: int, traceback: str = ""):
-        super().__init__(message)
-        self.step = step
-        self.traceback = traceback
+MailboxError = LearnerError
+MailboxTimeout = LearnerTimeout
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -142,7 +139,7 @@ class MailboxPaths:
         return self.mailbox / f"step-{step:06d}"
 
     def batch(self, step: int) -> Path:
-        return self.step_dir(step) / "batch.jsonl"
+        return self.step_dir(step) / "batch.bin"
 
     def ready(self, step: int) -> Path:
         return self.step_dir(step) / "batch.ready"
@@ -163,23 +160,6 @@ class MailboxPaths:
         return self.weights_root / f"step-{step:06d}"
 
 
-@dataclass
-class UpdateResult:
-    step: int
-    weights_dir: Path | None
-    """HF directory holding the weights after `step`; None when the learner pushed them itself."""
-    metrics: dict[str, float]
-    pushed: bool = False
-    """True: the servers already hold these weights (weight_sync tensor|nccl)."""
-
-
-@dataclass
-class SyncRequest:
-    step: int
-    method: str
-    """The learner's weight_sync path: tensor or nccl."""
-
-
 class MailboxClient:
     """Orchestrator side: submit batches, wait for weight updates, stop the learner."""
 
@@ -198,17 +178,31 @@ class MailboxClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.poll_s = poll_s
 
-    def submit(self, step: int, records: Iterable[EpisodeRecord], *, data_position: Any = None) -> Path:
-        """Write step's batch, then its batch.ready marker. Re-submitting a ready step is a no-op."""
+    def submitted(self, step: int) -> bool:
+        return self.paths.ready(step).exists()
+
+    def submit(self, step: int, batch: TrainBatch, *, data_position: Any = None) -> Path:
+        """Write step's batch (batch.bin), then its batch.ready marker. Re-submitting a ready step is a no-op."""
         d = self.paths.step_dir(step)
         if self.paths.ready(step).exists():
             return d
         d.mkdir(parents=True, exist_ok=True)
-        recs = list(records)
-        atomic_write_text(self.paths.batch(step), "".join(r.model_dump_json() + "\n" for r in recs))
-        atomic_write_json(self.paths.ready(step), {"step": step, "num_records": len(recs),
-                                                   "data_position": data_position, "time": time.time()})
+        data = batch.encode()
+        atomic_write_bytes(self.paths.batch(step), data)
+        atomic_write_json(self.paths.ready(step), {"step": step, "num_episodes": batch.num_episodes,
+                                                   "bytes": len(data), "data_position": data_position,
+                                                   "time": time.time()})
         return d
+
+    def submit_records(self, step: int, records: list[Any], algo: Any, *, data_position: Any = None,
+                       layout: BatchLayout | None = None) -> Path:
+        """Prepare step's batch from its usable records as the orchestrator does (batch_plan.prepare_batch with
+        `algo`, for the layout the learner reported in learner.json unless `layout` is given) and submit it: for
+        a learner driven by hand (tests, benchmarks)."""
+        if layout is None:
+            reported = (self.learner_info() or {}).get("layout")
+            layout = BatchLayout.from_json(reported) if reported else BatchLayout()
+        return self.submit(step, prepare_batch(records, algo, layout, step), data_position=data_position)
 
     def stop(self, *, final: bool = False) -> None:
         """Tell the learner to exit after its current step; `final` (the run ended normally): after saving
@@ -307,7 +301,7 @@ class MailboxClient:
             done = _read_json(self.paths.done(step))
             if done is not None:
                 wdir = done.get("weights_dir")
-                return UpdateResult(step=step, weights_dir=Path(wdir) if wdir else None,
+                return UpdateResult(step=step, weights=WeightsOnDisk(str(wdir)) if wdir else None,
                                     metrics=done.get("metrics", {}), pushed=bool(done.get("pushed", False)))
             if sync and not self.paths.sync_go(step).exists():
                 req = _read_json(self.paths.sync_request(step))
@@ -322,14 +316,18 @@ class MailboxClient:
                 raise MailboxTimeout(f"no update for step {step} after {timeout_s}s")
             time.sleep(self.poll_s)
 
-    def allow_sync(self, step: int, urls: list[str], *, interrupt: str = "abort") -> None:
-        """The servers are paused in `interrupt` mode: the learner may push step's weights to `urls` (its
-        payloads flush the prefix cache only where that mode allows it, agentloop.interrupt)."""
-        atomic_write_json(self.paths.sync_go(step), {"step": step, "urls": list(urls), "interrupt": interrupt,
-                                                     "time": time.time()})
+    def allow_sync(self, order: PushOrder) -> None:
+        """The servers are paused in the order's interrupt mode: the learner may push its step's weights to its
+        URLs (its payloads flush the prefix cache only where that mode allows it, agentloop.interrupt)."""
+        atomic_write_json(self.paths.sync_go(order.step), {**order.to_json(), "time": time.time()})
+
+    def finished_metrics(self, step: int) -> dict[str, float] | None:
+        """The learner metrics of step's update.done (None: not finished)."""
+        done = _read_json(self.paths.done(step))
+        return None if done is None else dict(done.get("metrics", {}))
 
 
-class LearnerMailbox:
+class LearnerMailbox(LearnerInbox):
     """Learner rank 0 side: heartbeat, batch polling, results."""
 
     def __init__(self, run_dir: str | Path, *, heartbeat_s: float = 5.0, started: float | None = None):
@@ -400,13 +398,12 @@ class LearnerMailbox:
     def batch_ready(self, step: int) -> bool:
         return self.paths.ready(step).exists()
 
-    def read_batch(self, step: int) -> tuple[list[EpisodeRecord], dict[str, Any]]:
+    def read_batch(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
         meta = _read_json(self.paths.ready(step)) or {}
-        records = list(read_records(self.paths.batch(step)))
-        if "num_records" in meta and meta["num_records"] != len(records):
-            raise MailboxError(f"step {step}: batch.ready says {meta['num_records']} records, "
-                               f"batch.jsonl has {len(records)}")
-        return records, meta
+        data = self.paths.batch(step).read_bytes()
+        if "bytes" in meta and meta["bytes"] != len(data):
+            raise MailboxError(f"step {step}: batch.ready says {meta['bytes']} bytes, batch.bin has {len(data)}")
+        return TrainBatch.decode(data), meta
 
     def write_done(self, step: int, weights_dir: Path | None, metrics: dict[str, float], *,
                    pushed: bool = False) -> None:
@@ -438,8 +435,8 @@ class LearnerMailbox:
         atomic_write_json(self.paths.failed(step), {"step": step, "error": f"{type(exc).__name__}: {exc}",
                                                     "traceback": tb, "time": time.time()})
 
-    def clear_after(self, step: int) -> None:
-        """Forget results of steps > step (after resuming from a checkpoint of `step`)."""
+    def forget_after(self, step: int) -> None:
+        """Forget results of steps > step (after resuming from a checkpoint of `step`); their batches stay."""
         for d in self.paths.mailbox.glob("step-*"):
             try:
                 s = int(d.name.split("-", 1)[1])
@@ -448,25 +445,43 @@ class LearnerMailbox:
             if s > step:
                 for name in ("update.done", "update.failed", "sync.request", "sync.go"):
                     (d / name).unlink(missing_ok=True)
-        for d in self.paths.weights_root.glob("step-*"):
-            try:
-                s = int(d.name.split("-", 1)[1])
-            except ValueError:
-                continue
-            if s > step:
-                shutil.rmtree(d, ignore_errors=True)
 
-    def prune_weights(self, keep: int | None, *, protect: Iterable[int] = ()) -> None:
-        """Delete all but the newest `keep` weights/step-N directories, never those of the steps in `protect`
-        (the newest checkpoint's: a resume loads them into the servers)."""
-        if keep is None:
-            return
-        dirs = sorted((d for d in self.paths.weights_root.glob("step-*") if d.name[5:].isdigit()),
-                      key=lambda d: int(d.name[5:]))
-        keep_steps = set(protect)
-        for d in dirs[:-keep]:
-            if int(d.name[5:]) not in keep_steps:
-                shutil.rmtree(d, ignore_errors=True)
+    # the LearnerInbox protocol ----------------------------------------------------------------
+    def start(self) -> None:
+        self.start_heartbeat()
+
+    def report(self, **fields: Any) -> None:
+        self.update_info(**fields)
+
+    def poll(self, step: int) -> tuple[Any, ...] | None:
+        if self.batch_ready(step):
+            try:
+                batch, meta = self.read_batch(step)
+            except Exception as e:  # noqa: BLE001 - unreadable batch: every rank stops, the orchestrator is told
+                self.write_failed(step, e)
+                return ("bad_batch", f"{type(e).__name__}: {e}")
+            return ("batch", batch, meta)
+        stop = self.stop_request()
+        return None if stop is None else ("stop", bool(stop.get("final")))
+
+    def done(self, step: int, weights_dir: str | None, metrics: dict[str, float], *, pushed: bool) -> None:
+        self.write_done(step, None if weights_dir is None else Path(weights_dir), metrics, pushed=pushed)
+
+    def failed(self, step: int, exc: BaseException) -> None:
+        self.write_failed(step, exc)
+
+    def ask_push(self, step: int, method: str, timeout_s: float) -> PushOrder:
+        self.request_sync(step, method)
+        return PushOrder.from_json(self.wait_sync_go(step, timeout_s))
+
+    def final(self, step: int, weights_dir: str | None, checkpoint: str | None) -> None:
+        self.write_final(step, None if weights_dir is None else Path(weights_dir),
+                         None if checkpoint is None else Path(checkpoint))
+
+
+def read_batch(run_dir: str | Path, step: int) -> TrainBatch:
+    """The batch submitted for `step` in run_dir's mailbox."""
+    return TrainBatch.decode(MailboxPaths(Path(run_dir)).batch(step).read_bytes())
 
 
 __all__ = [
@@ -479,6 +494,5 @@ __all__ = [
     "MailboxTimeout",
     "SyncRequest",
     "UpdateResult",
-    "atomic_write_json",
-    "atomic_write_text",
+    "read_batch",
 ]

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import sys
 import time
 from collections import Counter
@@ -75,12 +74,14 @@ from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer
 from agentloop.server_manager import ServerManager, parse_version
 from agentloop.tools.sandbox import require_isolation
+from agentloop.train.backend import Backend, LocalBackend
+from agentloop.train.batch_plan import BatchLayout, prepare_batch
 from agentloop.train.cursor import DataCursor
-from agentloop.train.learner_process import LearnerProcess
-from agentloop.train.mailbox import MailboxClient, MailboxError, UpdateResult
+from agentloop.train.handle import LearnerError, LearnerHandle, UpdateResult
 from agentloop.train.model_support import require_model_support
 from agentloop.train.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.served_model import align_served_weights, check_served_model
+from agentloop.train.weight_transport import ServerHalf, Stage, same_path, server_half
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.util.runtime import run_async
 
@@ -159,15 +160,15 @@ def version_check(records: list[EpisodeRecord], step: int, staleness: Staleness)
     return m
 
 
-def recover_step_rows(log: StepLog, first: int, paths: Any, run_dir: Path) -> None:
+def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir: Path) -> None:
     """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
     e.g. after the last checkpoint), and log a step < first that the learner finished but that
-    has no line (killed between its update and its line) from its rollouts and update.done."""
+    has no line (killed between its update and its line) from its rollouts and the learner's metrics."""
     log.truncate_from(first)
     last = first - 1
-    done, recs = paths.done(last), run_dir / "rollouts" / f"step-{last:06d}.jsonl"
-    if last >= 1 and not any(r.get("step") == last for r in log.rows) and done.is_file() and recs.is_file():
-        metrics = json.loads(done.read_text()).get("metrics", {})
+    recs = run_dir / "rollouts" / f"step-{last:06d}.jsonl"
+    if last >= 1 and not any(r.get("step") == last for r in log.rows) and recs.is_file() \
+            and (metrics := learner.finished_metrics(last)) is not None:
         row: dict[str, Any] = {"step": float(last), **rollout_metrics(list(read_records(recs)), "train")}
         row.update({f"learner/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
         log.log(row)
@@ -211,26 +212,29 @@ def resolve_train_model(cfg: Config) -> Path:
 
 
 class Trainer:
-    """The pieces both schedules share (see the module doc)."""
+    """The pieces both schedules share (see the module doc). `learner`: the learner handle (agentloop.train.handle;
+    the file mailbox or Ray); `layout`: how the learner lays out micro-batches (LearnerInfo.layout), which the
+    step's batch is planned for; `stage`: where the servers read the learner's HF directories (the server pool's;
+    default: the path as is)."""
 
     def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
-                 client: MailboxClient, learner: LearnerProcess, log: StepLog, cursor: DataCursor,
-                 val_samples: list[Sample]):
+                 learner: LearnerHandle, log: StepLog, cursor: DataCursor, val_samples: list[Sample], *,
+                 layout: BatchLayout | None = None, stage: Stage = same_path):
         self.cfg = cfg
         self.run_dir = run_dir
         self.sm = sm
         self.engine = engine
-        self.client = client
         self.learner = learner
         self.log = log
         self.cursor = cursor
         self.val_samples = val_samples
+        self.layout = layout or BatchLayout()
         # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
         self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
+        self.weights: ServerHalf = server_half(cfg.learner.weight_sync)(sm, self.interrupt, learner, stage=stage)
+        """The weight transport's server half (agentloop.train.weight_transport); also the servers' resync."""
         self._cache_seen = (0.0, 0.0)  # the servers' cached and prompt tokens at the last step's row
-        self.weights_dir: Path | None = None
-        """The newest HF weights on disk (what a stale server is resynced to)."""
         self.final: dict[str, Any] = {}
         self.loop_lag = LoopLagMonitor()
         """Event-loop lag while a schedule runs: `loop/lag_*_ms` of each step's row (since the previous one)."""
@@ -238,71 +242,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
 
-    async def push_disk(self, weights_dir: Path, version: int) -> float:
-        """Load HF weights into the servers, interrupting in-flight generation per `train.interrupt`."""
-        t0 = time.monotonic()
-        await self.sm.pause(mode=self.interrupt.pause_mode)
-        try:
-            # The prefix cache holds KV of the old weights: flushed in the update (abort) or right after it
-            # (retract), or isolated per version by a cache key (in_place), see agentloop.interrupt.
-            await self.sm.update_weights_from_disk(str(weights_dir), weight_version=version,
-                                                   flush_cache=self.interrupt.flush_in_update)
-            await self.sm.finish_update(self.interrupt)
-        finally:
-            await self.sm.resume()
-        self.weights_dir = weights_dir
-        self.sm.expect_version(version)
-        return time.monotonic() - t0
-
-    async def resync(self, url: str) -> None:
-        """Reload the current weights into one server (it came back serving older ones)."""
-        version = self.sm.expected_version
-        if self.weights_dir is None or version is None:
-            raise TrainingError("no weights on disk to resync a server with (weight_sync tensor|nccl: it "
-                                "stays out until the next push)")
-        # Never a flush inside the update: the server may still hold requests from before it was ejected,
-        # and a refused flush there kills SGLang 0.5.17's scheduler; the fallback flush handles them.
-        await self.sm.update_weights_from_disk(str(self.weights_dir), weight_version=version, urls=[url],
-                                               flush_cache=False)
-        if self.interrupt.flushes:
-            await self.sm.flush_prefix_cache([url])
-
     async def learner_update(self, step: int) -> tuple[UpdateResult, float, float]:
-        """Wait for the learner's step and get its weights into the servers: (result, learner s, sync s).
-
-        disk: the learner saved weights/step-N and we load it. tensor|nccl: the learner asks for paused
-        servers, pushes itself to every server that must hold the weights, and we resume the servers
-        whatever happens."""
+        """Wait for the learner's step and get its weights into the servers (the transport's server half):
+        (result, learner s, sync s)."""
         t0 = time.monotonic()
         timeout = self.cfg.train.update_timeout_s
-        ev = await asyncio.to_thread(self.client.wait_update_or_sync, step, timeout)
+        ev = await self.learner.wait_update_or_sync(step, timeout)
         t_learn = time.monotonic() - t0
-        if isinstance(ev, UpdateResult):
-            if ev.weights_dir is None:
-                raise TrainingError(f"the learner reported step {step} without weights to load")
-            return ev, t_learn, await self.push_disk(ev.weights_dir, step)
-        t1 = time.monotonic()
-        await self.sm.pause(mode=self.interrupt.pause_mode)
-        try:
-            targets = await self.sm.reachable_targets()
-            # the mode travels with the push: the learner's payloads flush only where the mode allows it
-            self.client.allow_sync(step, targets, interrupt=self.interrupt.mode)
-            upd = await asyncio.to_thread(self.client.wait_update, step, timeout)
-            await self.sm.finish_update(self.interrupt, targets)
-        finally:
-            await self.sm.resume()
-        self.sm.mark_updated(step, targets)
-        self.sm.expect_version(step)
-        return upd, t_learn, time.monotonic() - t1
+        upd, t_sync = await self.weights.deliver(step, ev, timeout)
+        return upd, t_learn, t_sync
 
     async def resume_weights(self, first: int) -> None:
-        """Before step `first` (> 1) rolls out, the servers must serve weights/step-(first-1)."""
-        prev = self.client.paths.weights(first - 1)
-        if not prev.is_dir():
+        """Before step `first` (> 1) rolls out, the servers must serve the weights of step first-1."""
+        prev = await self.learner.weights(first - 1)
+        if prev is None:
             raise TrainingError(
-                f"cannot resume at step {first}: the weights of step {first - 1} are missing ({prev}); the "
-                "servers would serve the initial weights. Restore them, or start a new run (train.resume=false)")
-        await self.push_disk(prev, first - 1)
+                f"cannot resume at step {first}: the weights of step {first - 1} are missing (weights/step-"
+                f"{first - 1:06d} of the learner's run dir); the servers would serve the initial weights. Restore "
+                "them, or start a new run (train.resume=false)")
+        await self.weights.load(prev, first - 1)
 
     # ------------------------------------------------------------------ a step
 
@@ -348,19 +306,25 @@ class Trainer:
             first_err = next((r.error or r.finish_reason for r in records), "no records")
             raise TrainingError(f"step {step}: no trainable episode; first error: {first_err}")
         path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
-        if write and not (self.client.paths.ready(step).exists() and path.is_file()):
+        submitted = self.learner.submitted(step)  # a resumed run: the batch the learner trained stays
+        if write and not (submitted and path.is_file()):
             try:
                 with RecordWriter(path) as writer:
                     for r in records:
                         writer(r)
             except OSError as e:  # e.g. a full disk: the message names the file
                 raise TrainingError(f"step {step}: {e}") from e
-        self.client.submit(step, usable, data_position=extra.pop("_data_state"))
+        data_state = extra.pop("_data_state")
+        if not submitted:
+            try:  # advantages and every rank's micro-batches, off the event loop (batch_plan)
+                batch = await asyncio.to_thread(prepare_batch, usable, self.cfg.algo, self.layout, step)
+            except ValueError as e:
+                raise TrainingError(f"step {step}: {e}") from e
+            await self.learner.submit(step, batch, data_position=data_state)
         try:
             upd, t_learn, t_sync = await self.learner_update(step)
-        except MailboxError as e:
-            raise TrainingError(f"learner failed at step {step}: {e}\n--- learner.log tail ---\n"
-                                f"{self.learner.log_tail()}") from e
+        except LearnerError as e:
+            raise TrainingError(f"learner failed at step {step}: {e}\n{self.learner.failure_context()}") from e
         checks["train/groups_dropped_infra"] += extra.pop("_groups_dropped_infra", 0)
         row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
         row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
@@ -513,9 +477,10 @@ def load_data(cfg: Config) -> TrainData:
 
 
 async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None, *,
-                      force: bool = False) -> dict[str, Any]:
+                      force: bool = False, backend: Backend | None = None) -> dict[str, Any]:
     """The run; `data` as `load_data(cfg)` made it (loaded here when None). `force`: go on from a checkpoint
-    whose data position was stored for other training rows (`agentloop train --force`)."""
+    whose data position was stored for other training rows (`agentloop train --force`). `backend`: where the
+    servers and the learner run (default: this host, agentloop.train.backend.LocalBackend)."""
     loop_cls = get_agent_loop(cfg.rollout.loop)
     data = data if data is not None else load_data(cfg)
     train_samples, val_samples = data.train, data.val
@@ -524,59 +489,62 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     # refused before anything starts when the learner cannot run the model exactly (it checks again itself)
     support = require_model_support(model_path, max_len=cfg.model.context_length)
     tokenizer = load_tokenizer_for(cfg, model_path)
+    backend = backend or LocalBackend()
+    await backend.start()
     log = StepLog(cfg, run_dir)
-    learner = LearnerProcess(cfg, run_dir, model_path)
-    t_start = time.time()
-    proc = learner.start()
-    client = MailboxClient(run_dir, process=proc)
+    pool = backend.server_pool(cfg, model_path, run_dir)
+    learner = backend.learner(cfg, run_dir, model_path)
     final: dict[str, Any] = {"run_dir": str(run_dir), "model": str(model_path)}
     sched = (f"async, max_staleness {cfg.train.max_staleness}, interrupt {cfg.train.interrupt}"
              if cfg.train.schedule == "async" else "sync")
     print(f"agentloop train: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x "
           f"{cfg.rollout.n_samples} samples, loop {cfg.rollout.loop}, schedule {sched}, model {model_path}\n"
-          f"  run dir {run_dir} (learner log: {learner.log_path})\n"
+          f"  run dir {run_dir} ({learner.where()})\n"
           f"  data: {len(train_samples)} training rows of {data.train_source}; validation: {data.val_source}"
           + "".join(f"\n  model: {line}" for line in support.applied), file=sys.stderr, flush=True)
     try:
-        async with serving(cfg, model_path, run_dir, initial_version=0,
+        await learner.start()
+        async with serving(cfg, model_path, run_dir, pool=pool, initial_version=0,
                            on_event=lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True),
                            cache_salt=interrupt_policy(cfg.train.interrupt).cache_salt) as sm:
             served = await check_served_model(sm, model_path)  # the servers serve model.path, or an error now
             try:
-                info = await asyncio.to_thread(client.wait_ready, cfg.train.learner_ready_timeout_s, since=t_start - 1)
+                info = await learner.wait_ready(cfg.train.learner_ready_timeout_s)
             except AgentLoopError as e:
-                raise TrainingError(f"learner did not start: {e}\n--- learner.log tail ---\n"
-                                    f"{learner.log_tail()}") from e
+                raise TrainingError(f"learner did not start: {e}\n{learner.failure_context()}") from e
             try:
                 # A resumed learner first trains the batches submitted before the stop: the run goes on from
                 # where that leaves it (reading next_step any earlier races the learner, pairs it with another
                 # step's data position and loads weights that pruning may be deleting).
-                info = await asyncio.to_thread(client.wait_caught_up, cfg.train.update_timeout_s)
+                info = await learner.wait_caught_up(cfg.train.update_timeout_s)
             except AgentLoopError as e:
                 raise TrainingError(f"learner failed on a batch submitted before the stop: {e}\n"
-                                    f"--- learner.log tail ---\n{learner.log_tail()}") from e
-            first = int(info.get("next_step") or 1)
-            position = info.get("data_position")
+                                    f"{learner.failure_context()}") from e
+            first = info.next_step
+            position = info.data_position
             cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
                                            force=force)
             if not cursor.matches(position):
                 print(f"agentloop train: --force: the training rows ({data.train_source}) differ from those the "
                       "checkpoint's data position was stored for; going on from that position over the new rows",
                       file=sys.stderr, flush=True)
-            recover_step_rows(log, first, client.paths, run_dir)
+            recover_step_rows(log, first, learner, run_dir)
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
-            trainer = Trainer(cfg, run_dir, sm, engine, client, learner, log, cursor, val_samples)
-            sm.set_resync(trainer.resync)
+            layout = BatchLayout.from_json(info.layout) if info.layout else BatchLayout(world=info.world_size)
+            trainer = Trainer(cfg, run_dir, sm, engine, learner, log, cursor, val_samples, layout=layout,
+                              stage=lambda w: pool.stage(w.path, w.host))
+            sm.set_resync(trainer.weights.resync)
             await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
             sm.expect_version(0)
             if first > 1:
                 await trainer.resume_weights(first)
-                ck = info.get("resumed_step")
+                ck = info.resumed_step
                 replayed = first - 1 - (ck or 0)
                 print(f"agentloop train: resumed at step {first} (data position {cursor.position}): the learner "
                       f"resumed from {f'checkpoint {ck}' if ck else 'the initial weights'}"
                       + (f" and trained the {replayed} batch(es) submitted before the stop" if replayed else "")
-                      + f"; {cursor.pending_retries} prompts to give out again; servers loaded {trainer.weights_dir}",
+                      + f"; {cursor.pending_retries} prompts to give out again; servers loaded "
+                      f"{trainer.weights.current.path if trainer.weights.current else None}",
                       file=sys.stderr, flush=True)
             if first == 1 and val_samples:
                 row = {"step": 0.0, **await trainer.validate(0)}
@@ -589,31 +557,30 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 await trainer.run_async(first)
             await trainer.loop_lag.stop()
             final.update(trainer.final)
-            final.update(await finish_learner(cfg, client, learner))
+            final.update(await finish_learner(cfg, learner))
     finally:
         await scorer.close()
-        if proc.poll() is None:
-            client.stop()
-        rc = learner.stop()
-        log.close()
-        final["learner_exit"] = rc
+        try:
+            final["learner_exit"] = await learner.close()
+        finally:
+            log.close()
+            await backend.close()
     final["curves"] = str(log.curves())
     final["metrics"] = log.rows[-1] if log.rows else {}
     write_json(run_dir / "train_summary.json", final)
     return final
 
 
-async def finish_learner(cfg: Config, client: MailboxClient, learner: LearnerProcess) -> dict[str, Any]:
+async def finish_learner(cfg: Config, learner: LearnerHandle) -> dict[str, Any]:
     """The run ended normally: the learner saves the final model (HF weights of the last step for every sync
     path, and its checkpoint unless it has one) and exits; waited for up to `train.update_timeout_s`.
     Returns {"last_weights": the HF directory, "checkpoint": the checkpoint directory}."""
-    client.stop(final=True)
+    await learner.stop(final=True)
     try:
-        done = await asyncio.to_thread(client.wait_final, cfg.train.update_timeout_s)
-    except MailboxError as e:
-        raise TrainingError(f"the learner did not save the final model: {e}\n--- learner.log tail ---\n"
-                            f"{learner.log_tail()}") from e
-    return {"last_weights": done.get("weights_dir"), "checkpoint": done.get("checkpoint")}
+        done = await learner.wait_final(cfg.train.update_timeout_s)
+    except LearnerError as e:
+        raise TrainingError(f"the learner did not save the final model: {e}\n{learner.failure_context()}") from e
+    return {"last_weights": done.weights_dir, "checkpoint": done.checkpoint}
 
 
 def resolve_learner_defaults(cfg: Config) -> None:
@@ -625,9 +592,9 @@ def resolve_learner_defaults(cfg: Config) -> None:
         cfg.learner.total_steps = cfg.train.steps
 
 
-def run_train(cfg: Config, *, force: bool = False) -> tuple[Path, dict[str, Any]]:
+def run_train(cfg: Config, *, force: bool = False, backend: Backend | None = None) -> tuple[Path, dict[str, Any]]:
     """`agentloop train`: check the config, load the data, make the run dir (config.yaml: the config as
-    resolved, data included), run. `force`: see `train_async`."""
+    resolved, data included), run. `force`, `backend`: see `train_async`."""
     from agentloop.rollout.run import load_plugins
 
     validate_for_training(cfg)
@@ -637,4 +604,4 @@ def run_train(cfg: Config, *, force: bool = False) -> tuple[Path, dict[str, Any]
     resolve_learner_defaults(cfg)
     data = load_data(cfg)  # bad rows fail before anything starts; the held-out slice is in config.yaml
     run_dir = make_run_dir(cfg)
-    return run_dir, run_async(train_async(cfg, run_dir, data, force=force))
+    return run_dir, run_async(train_async(cfg, run_dir, data, force=force, backend=backend))

@@ -32,11 +32,13 @@ Map:
     post_json                     one blocking HTTP call with a deadline (the learner has no event loop)
     begin_update, end_update      SGLang >= 0.5.23's weight-update session around tensor/distributed
                                   updates; a server without the endpoints (404, 0.5.17) needs none
+    PushOrder                     the server half's answer to a push request: URLs and the interrupt mode
     WeightSync, DiskSync, TensorSync, NcclSync, SYNCS, register_sync, get_sync
-                                  one class per path, looked up by name
+                                  the learner half of each path (`publish`: save or push a step's weights),
+                                  looked up by name; the server halves: agentloop.train.weight_transport
 
-Who calls whom: agentloop.train.learner.serve -> get_sync(...)(cfg).push(model, ...) -> the helpers
-above; nothing here imports the learner, the mailbox or the orchestrator.
+Who calls whom: agentloop.train.learner.serve -> sync_from_config(cfg).publish(learner, ...) -> push(model, ...)
+-> the helpers above; nothing here imports the learner, the mailbox or the orchestrator.
 
 Sessions: SGLang 0.5.23 refuses /update_weights_from_tensor and /update_weights_from_distributed (400)
 outside POST /begin_weight_update {"selector": "all"} ... POST /end_weight_update {}; 0.5.17 has neither
@@ -79,6 +81,44 @@ from agentloop.errors import AgentLoopError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1,
                "int8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class PushOrder:
+    """The server half's answer to a learner that asked for paused servers: push step's weights to `urls`; the
+    servers were paused in `interrupt` mode, and the push flushes their prefix caches only where that mode allows
+    it (its policy's `flush_in_update`, agentloop.interrupt). Travels as JSON (the mailbox's sync.go, Ray)."""
+
+    step: int
+    urls: tuple[str, ...]
+    interrupt: str | None = None
+    """abort | retract | in_place; None (an order without a mode, an older orchestrator's): no flush, the safe
+    side (a refused flush inside an update kills SGLang 0.5.17's scheduler, a missing one only keeps stale KV)."""
+
+    @property
+    def flush_cache(self) -> bool:
+        """Whether the push's last call flushes the prefix cache; ValueError for an unknown mode."""
+        from agentloop.interrupt import interrupt_policy
+
+        return interrupt_policy(self.interrupt).flush_in_update if self.interrupt else False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "urls": list(self.urls), "interrupt": self.interrupt}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PushOrder:
+        return cls(step=int(d.get("step", 0)), urls=tuple(d.get("urls") or ()), interrupt=d.get("interrupt"))
+
+
+@dataclass
+class Published:
+    """What the learner half did with a step's weights (WeightSync.publish)."""
+
+    weights_dir: Any
+    """The HF directory written (disk), else None."""
+    pushed: bool
+    """The servers hold the weights already (tensor|nccl)."""
+    metrics: dict[str, float]
 
 
 class WeightSyncError(AgentLoopError):
@@ -481,6 +521,18 @@ class WeightSync:
         flushes the servers' prefix caches (only where the interrupt mode allows it, agentloop.interrupt)."""
         raise NotImplementedError
 
+    def publish(self, learner: Any, step: int, weights_dir: Any,
+                ask: Callable[[int, str], PushOrder]) -> Published:
+        """Collective, after `learner` (agentloop.train.learner.Learner) trained `step`: the learner half of the
+        transport. Pushing paths ask the orchestrator for paused servers (`ask(step, self.name)` returns the
+        PushOrder on every rank) and push to its URLs with its flush; `DiskSync` writes `weights_dir` instead."""
+        order = ask(step, self.name)
+        t = time.perf_counter()
+        metrics = self.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=learner.rank,
+                            urls=list(order.urls), version=str(step), flush_cache=order.flush_cache)
+        metrics["time/sync_s"] = time.perf_counter() - t
+        return Published(weights_dir=None, pushed=True, metrics=metrics)
+
     def close(self, urls: Sequence[str] = ()) -> None:
         """Release what the path holds (a process group); best effort."""
 
@@ -573,6 +625,13 @@ class DiskSync(WeightSync):
     and benchmarks."""
 
     learner_pushes = False
+
+    def publish(self, learner: Any, step: int, weights_dir: Any,
+                ask: Callable[[int, str], PushOrder]) -> Published:
+        """Collective: the learner saves step's HF weights to `weights_dir`; the orchestrator loads them."""
+        t = time.perf_counter()
+        out = learner.save_hf(weights_dir)
+        return Published(weights_dir=out, pushed=False, metrics={"time/save_hf_s": time.perf_counter() - t})
 
     def load(self, weights_dir: str, urls: Sequence[str], version: str | None) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -751,6 +810,8 @@ __all__ = [
     "DiskSync",
     "NcclSync",
     "ParamMeta",
+    "Published",
+    "PushOrder",
     "SYNCS",
     "TensorSync",
     "UpdateGroup",

@@ -3,7 +3,7 @@ atomic file writes, the class-registry admission rule, and the command's one eve
 
     cache.py       build_once (file lock + temp dir + rename), import_python_file
     rundir.py      make_run_dir, RecordWriter, write_json, package versions
-    fsio.py        atomic_write_text / atomic_write_json
+    fsio.py        atomic_write_text / atomic_write_bytes / atomic_write_json
     registries.py  admit_class: the rule every class registry applies
     runtime.py     run_async: uvloop when installed
 

@@ -31,6 +31,7 @@ from agentloop.interrupt import interrupt_policy
 from agentloop.loops.base import TrajectoryBuilder
 from agentloop.records import read_records
 from agentloop.server_manager import ServerManager
+from agentloop.train.mailbox import read_batch
 from agentloop.train.orchestrator import run_train
 from tests.integration.test_train_real import FIXED, _load, _server_logprobs
 
@@ -342,8 +343,7 @@ def test_async_killed_and_resumed_trains_every_prompt_once(sglang_server, tiny_m
     assert "resumed at step" in log2.read_text()
     trained: dict[int, int] = {}
     for step in range(1, steps + 1):
-        batch = list(read_records(run_dir / "mailbox" / f"step-{step:06d}" / "batch.jsonl"))
-        uids = {r.uid for r in batch}
+        uids = set(read_batch(run_dir, step).uid.tolist())
         assert len(uids) == B, (step, uids)
         for u in uids:
             assert u not in trained, f"prompt {u} trained at steps {trained[u]} and {step}"

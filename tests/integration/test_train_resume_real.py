@@ -43,7 +43,8 @@ from agentloop.records import EpisodeRecord, read_records
 from agentloop.report.steplog import StepLog
 from agentloop.train.checkpoint import list_checkpoints, read_meta
 from agentloop.train.cursor import DataCursor
-from agentloop.train.mailbox import MailboxPaths
+from agentloop.train.learner_process import FileLearner
+from agentloop.train.mailbox import MailboxPaths, read_batch
 from agentloop.train.orchestrator import recover_step_rows
 from tests.integration.test_train_real import (
     FIXED,
@@ -236,10 +237,9 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
         assert all(r.step == step and r.error is None for r in recs)
         if step > 1:  # sampled with the previous step's weights (after the resume too)
             assert {v for r in recs for v in r.weight_versions} == {str(step - 1)}, f"step {step}"
-        batch = list(read_records(mailbox / f"step-{step:06d}" / "batch.jsonl"))
-        assert sorted(r.episode_id for r in batch) == sorted(r.episode_id for r in recs)
-        assert [r.response_ids for r in sorted(batch, key=lambda r: r.episode_id)] == \
-            [r.response_ids for r in sorted(recs, key=lambda r: r.episode_id)], f"step {step}: trained != logged"
+        batch = read_batch(run_dir, step)  # what the learner trained: each episode's group and tokens
+        assert sorted((u, batch.response_ids(i)) for i, u in enumerate(batch.uid.tolist())) == \
+            sorted((r.uid, r.response_ids) for r in recs), f"step {step}: trained != logged"
 
     # the server ended with the learner's final weights
     assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3, "server weights did not change"
@@ -307,7 +307,7 @@ def test_killed_at_step_9_resumes_from_checkpoint_5_with_the_readme_command(sgla
     assert [r["step"] for r in rows] == [float(s) for s in range(1, steps + 1)]
     trained: dict[int, int] = {}
     for step in range(1, steps + 1):
-        uids = [r.uid for r in read_records(mailbox / f"step-{step:06d}" / "batch.jsonl")]
+        uids = read_batch(run_dir, step).uid.tolist()
         assert len(set(uids)) == B, (step, uids)
         for u in set(uids):
             assert u not in trained, f"position {u} trained at steps {trained[u]} and {step}"
@@ -345,7 +345,7 @@ def test_step_log_resume_at(tmp_path):
     # checkpoint_every=2, killed after step 5 was logged, resumed from checkpoint 2: steps 3..5 are redone
     write_rows([0, 1, 2, 3, 4, 5])
     log = StepLog(cfg, tmp_path)
-    recover_step_rows(log, 3, paths, tmp_path)
+    recover_step_rows(log, 3, FileLearner(tmp_path), tmp_path)
     assert [r["step"] for r in log.rows] == [0, 1, 2]
     assert [json.loads(ln)["step"] for ln in _lines(metrics)] == [0, 1, 2]
 
@@ -356,16 +356,16 @@ def test_step_log_resume_at(tmp_path):
     paths.step_dir(3).mkdir(parents=True)
     (paths.done(3)).write_text(json.dumps({"step": 3, "metrics": {"actor/grad_norm": 0.25, "note": "x"}}))
     log = StepLog(cfg, tmp_path)
-    recover_step_rows(log, 4, paths, tmp_path)
+    recover_step_rows(log, 4, FileLearner(tmp_path), tmp_path)
     rows = [json.loads(ln) for ln in _lines(metrics)]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows == log.rows
     assert rows[-1]["learner/actor/grad_norm"] == 0.25 and rows[-1]["train/reward"] == 0.5
     assert rows[-1]["train/episodes"] == 2.0 and "learner/note" not in rows[-1]
-    recover_step_rows(log, 4, paths, tmp_path)  # idempotent
+    recover_step_rows(log, 4, FileLearner(tmp_path), tmp_path)  # idempotent
     assert [json.loads(ln)["step"] for ln in _lines(metrics)] == [0, 1, 2, 3]
 
     # nothing survives a restart from scratch (the step-0 validation line is written again)
-    recover_step_rows(log, 1, paths, tmp_path)
+    recover_step_rows(log, 1, FileLearner(tmp_path), tmp_path)
     assert log.rows == [] and _lines(metrics) == []
 
 

@@ -199,6 +199,33 @@ def test_bench_report_and_cli_are_leaves_of_the_core():
                 pytest.fail(f"{m} imports the command line")
 
 
+def train_sides() -> dict[str, str]:
+    """module -> side (orchestrator | learner), from the "Sides" table of agentloop/train/__init__.py."""
+    import agentloop.train
+
+    doc = agentloop.train.__doc__ or ""
+    rows = re.findall(r"^    (orchestrator|learner)  +(\w.*)$", doc.split("Sides (checked by")[1], re.M)
+    assert {side for side, _ in rows} == {"orchestrator", "learner"}, "the sides table is missing"
+    return {f"agentloop.train.{m}": side for side, mods in rows for m in mods.split()}
+
+
+def side_violations(sides: dict[str, str] | None = None) -> list[str]:
+    sides = train_sides() if sides is None else sides
+    explicit, _ = graph()
+    return [f"{m} ({sides[m]} side) imports {t} ({sides[t]} side)" for m in sorted(sides) if m in explicit
+            for t in sorted(explicit[m]) if t in sides and sides[t] != sides[m]]
+
+
+def test_the_orchestrator_and_the_learner_never_import_each_other():
+    sides = train_sides()
+    modules = all_modules()
+    assert set(sides) <= set(modules), f"the sides table names no module: {set(sides) - set(modules)}"
+    assert side_violations(sides) == []
+    # the checker sees a violation: the orchestrator importing the learner would be one
+    assert side_violations({**sides, "agentloop.train.batch_plan": "learner"}) == [
+        "agentloop.train.orchestrator (orchestrator side) imports agentloop.train.batch_plan (learner side)"]
+
+
 def test_every_folder_says_what_it_is_for():
     for init in PKG.rglob("__init__.py"):
         if "site" in init.relative_to(PKG).parts:

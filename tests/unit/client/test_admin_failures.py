@@ -13,6 +13,7 @@ import pytest
 from agentloop.config import ManagerConfig, load_config
 from agentloop.errors import ServerError
 from agentloop.server_manager import ServerManager
+from agentloop.train.handle import WeightsOnDisk
 from agentloop.train.orchestrator import Trainer
 from tests.fakes.fake_sglang import FakeSGLang
 
@@ -99,15 +100,16 @@ def test_servers_paused_when_the_run_dies_are_continued(how):
 
 
 def test_a_weight_push_goes_on_when_one_server_fails_the_pause(tmp_path: Path):
-    """Trainer.push_disk with a server refusing the pause: both get the weights, the other is resumed."""
+    """The weight transport's disk load with a server refusing the pause: both get the weights, the other is
+    resumed."""
     async def main():
         a, b = await FakeSGLang().start(), await FakeSGLang().start()
         b.refuse = {"/pause_generation"}
         cfg = load_config(None, ["train.interrupt=retract"])
         try:
             async with ServerManager([a.url, b.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-                t = Trainer(cfg, tmp_path, sm, None, None, None, None, None, [])
-                await t.push_disk(tmp_path / "weights", 1)
+                t = Trainer(cfg, tmp_path, sm, None, None, None, None, [])
+                await t.weights.load(WeightsOnDisk(str(tmp_path / "weights")), 1)
                 return a.paused, b.paused, a.weight_version, b.weight_version, paths(a)
         finally:
             await a.stop()

@@ -20,9 +20,10 @@ from agentloop.config import ManagerConfig, load_config
 from agentloop.interrupt import INTERRUPT_MODES, interrupt_policy
 from agentloop.server_manager import ServerManager
 from agentloop.train import weight_sync as ws
-from agentloop.train.learner import sync_go_flush
+from agentloop.train.handle import WeightsOnDisk
 from agentloop.train.mailbox import LearnerMailbox, MailboxClient
 from agentloop.train.orchestrator import Trainer
+from agentloop.train.weight_sync import PushOrder
 from tests.fakes.fake_sglang import FakeSGLang
 
 SP = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 5}
@@ -48,7 +49,7 @@ def test_policy_table():
 
 def _trainer(mode: str, sm: ServerManager, tmp_path: Path) -> Trainer:
     cfg = load_config(None, [f"train.interrupt={mode}", "server.urls=[\"http://127.0.0.1:1\"]"])
-    return Trainer(cfg, tmp_path, sm, None, None, None, None, None, [])  # push_disk needs cfg and sm only
+    return Trainer(cfg, tmp_path, sm, None, None, None, None, [])  # a disk load needs cfg and sm only
 
 
 async def _push_midway(mode: str, flush_model: str, tmp_path: Path):
@@ -59,7 +60,7 @@ async def _push_midway(mode: str, flush_model: str, tmp_path: Path):
             trainer = _trainer(mode, sm, tmp_path)
             gen = asyncio.create_task(sm.generate("e-0", prompt_ids=[5, 6, 7], sampling_params=SP))
             await fake.started.wait()  # the call is producing tokens when the push comes
-            await trainer.push_disk(tmp_path / "w1", 1)
+            await trainer.weights.load(WeightsOnDisk(str(tmp_path / "w1")), 1)
             out = await gen
             after = await sm.generate("e-1", prompt_ids=[5, 6, 7], sampling_params=SP)
             return out, after, fake, sm.gauges()
@@ -153,13 +154,15 @@ def test_tensor_push_payloads_follow_the_mode(mode, monkeypatch):
 
 
 def test_the_mode_travels_with_the_push(tmp_path):
-    """sync.go carries the mode; the learner's flush follows it (no mode: no flush, the safe side)."""
+    """The PushOrder (sync.go) carries the mode; the learner's flush follows it (no mode: no flush, the safe
+    side)."""
     client, box = MailboxClient(tmp_path, poll_s=0.01), LearnerMailbox(tmp_path)
     for step, mode in enumerate(INTERRUPT_MODES, start=1):
         box.request_sync(step, "tensor")
-        client.allow_sync(step, ["http://a"], interrupt=mode)
-        go = box.wait_sync_go(step, 5)
-        assert go["interrupt"] == mode and sync_go_flush(go) is interrupt_policy(mode).flush_in_update
-    assert sync_go_flush({"urls": ["http://a"]}) is False
+        client.allow_sync(PushOrder(step, ("http://a",), mode))
+        order = box.ask_push(step, "tensor", 5)
+        assert order == PushOrder(step, ("http://a",), mode)
+        assert order.flush_cache is interrupt_policy(mode).flush_in_update
+    assert PushOrder.from_json({"urls": ["http://a"]}).flush_cache is False
     with pytest.raises(ValueError):
-        sync_go_flush({"interrupt": "drop"})
+        _ = PushOrder(1, (), "drop").flush_cache

@@ -19,7 +19,7 @@ from agentloop.errors import ConfigError
 from agentloop.records import EpisodeRecord
 from agentloop.train.checkpoint import latest_checkpoint, list_checkpoints, read_meta
 from agentloop.train.config import AlgoConfig, LearnerConfig
-from agentloop.train.learner import FinalPlan, Learner, load_sections, lr_at, plan_final_save
+from agentloop.train.learner import FinalPlan, Learner, _prune_weights, load_sections, lr_at, plan_final_save
 from agentloop.train.learner_process import learner_command
 from agentloop.train.mailbox import (
     LearnerDiedError,
@@ -27,11 +27,14 @@ from agentloop.train.mailbox import (
     LearnerMailbox,
     MailboxClient,
     MailboxError,
+    MailboxPaths,
     MailboxTimeout,
 )
 from tests.unit.api_check import assert_public_api
 
 VOCAB = 96
+ALGO = AlgoConfig()
+"""The learners these tests start run the default algorithm: batches are prepared with it (batch_plan)."""
 JIT_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 """torch 2.11's inductor import (GPU machines) warns from torch's own code; nothing of ours."""
 
@@ -326,11 +329,13 @@ def test_mailbox_protocol_and_errors(tmp_path):
     client = MailboxClient(tmp_path, heartbeat_timeout_s=30, poll_s=0.02)
     box = LearnerMailbox(tmp_path, heartbeat_s=0.02)
     recs = make_records(1)
-    client.submit(1, recs, data_position=5)
-    client.submit(1, recs[:1])  # already ready: no-op
+    client.submit_records(1, recs, ALGO, data_position=5)
+    client.submit_records(1, recs[:1], ALGO)  # already ready: no-op
     assert box.batch_ready(1) and not box.batch_ready(2)
     got, meta = box.read_batch(1)
-    assert len(got) == len(recs) and meta["data_position"] == 5
+    # the learner gets the episodes that enter the loss (the errored record is not one), not records
+    assert got.num_episodes == len(recs) - 1 and meta["data_position"] == 5
+    assert got.tokens(0) == recs[0].prompt_ids + recs[0].response_ids
     with pytest.raises(MailboxTimeout):
         client.wait_ready(0.1)
     box.start_heartbeat()
@@ -338,7 +343,7 @@ def test_mailbox_protocol_and_errors(tmp_path):
     assert client.wait_ready(1.0)["next_step"] == 1
     box.write_done(1, tmp_path / "weights" / "step-000001", {"actor/loss": 0.5})
     res = client.wait_update(1, 1.0)
-    assert res.metrics == {"actor/loss": 0.5} and res.weights_dir.name == "step-000001"
+    assert res.metrics == {"actor/loss": 0.5} and Path(res.weights_dir).name == "step-000001"
     try:
         raise ValueError("bad batch")
     except ValueError as e:
@@ -373,7 +378,7 @@ def test_mailbox_protocol_and_errors(tmp_path):
     with pytest.raises(LearnerDiedError, match="code 3"):
         MailboxClient(tmp_path, process=proc).wait_update(3, 5.0)
     # a torn batch is detected
-    (tmp_path / "mailbox" / "step-000001" / "batch.jsonl").write_text(recs[0].model_dump_json() + "\n")
+    (tmp_path / "mailbox" / "step-000001" / "batch.bin").write_bytes(b"ALTB torn")
     with pytest.raises(MailboxError, match="batch.ready says"):
         box.read_batch(1)
 
@@ -435,7 +440,7 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
         client = MailboxClient(run, process=proc, poll_s=0.05)
         assert client.wait_ready(120)["next_step"] == 1
         for s in (1, 2, 3):
-            client.submit(s, batches[s - 1], data_position={"row": 10 * s})
+            client.submit_records(s, batches[s - 1], ALGO, data_position={"row": 10 * s})
             client.wait_update(s, 120)
     finally:
         proc.kill()  # SIGKILL after step 3: its update is not in any checkpoint
@@ -450,15 +455,15 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
         assert (info["next_step"], info["resumed_step"], info["data_position"]) == (3, 2, {"row": 20})
         assert not (run / "weights" / "step-000003").exists()
         assert not (run / "mailbox" / "step-000003" / "update.done").exists()
-        client.submit(3, batches[2])  # already in the mailbox: reused
-        client.submit(4, batches[3], data_position={"row": 40})
-        assert client.wait_update(4, 120).weights_dir == run / "weights" / "step-000004"
+        client.submit_records(3, batches[2], ALGO)  # already in the mailbox: reused
+        client.submit_records(4, batches[3], ALGO, data_position={"row": 40})
+        assert client.wait_update(4, 120).weights_dir == str(run / "weights" / "step-000004")
         # a step that raises: update.failed with the traceback, then the learner exits 1
         bad = [r.model_copy(update={"prompt_ids": [VOCAB + 1000]}) for r in batches[0]]
-        client.submit(5, bad)
+        client.submit_records(5, bad, ALGO)
         with pytest.raises(LearnerFailedError, match="IndexError") as ei:
             client.wait_update(5, 120)
-        assert "train_step" in ei.value.traceback
+        assert "train_batch" in ei.value.traceback
         assert proc.wait(timeout=60) == 1
         assert client.learner_info()["status"] == "failed"
         log = (run / "learner.log").read_text()
@@ -489,7 +494,7 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol, algo_over
         client = MailboxClient(run, process=proc, poll_s=0.05)
         info = client.wait_ready(180)
         assert info["world_size"] == 2
-        client.submit(1, batch)
+        client.submit_records(1, batch, load_sections(None, overrides)[0])
         res = client.wait_update(1, 120)
         # through torchrun too, rank 0's step line is in learner.log as soon as the step is done; rank 1 is quiet
         log = (run / "learner.log").read_text()
@@ -504,9 +509,49 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol, algo_over
     for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes", "mismatch/rs_masked_frac"):
         if k in m:
             assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
-    assert_weights_close(ref, res.weights_dir, atol=atol)
+    assert_weights_close(ref, Path(res.weights_dir), atol=atol)
     assert math.isfinite(res.metrics["actor/entropy"])
     return res.metrics
+
+
+def test_a_learner_over_two_nodes_with_torchruns_rendezvous_matches_one_rank(tiny_model, tmp_path):
+    """Without Ray: learner.nnodes=2 on one host standing in for two. The run's LearnerProcess starts the first
+    node (torchrun, c10d rendezvous), `agentloop learner-node --run-dir` the second, from the run dir alone (the
+    shared filesystem); the two ranks train the step as one rank does."""
+    from agentloop.config import dump_config, load_config
+    from agentloop.inference.launcher import pick_free_port
+    from agentloop.train.learner_process import LearnerProcess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    overrides = ["learner.device=cpu", "learner.nnodes=2", f"learner.rdzv_endpoint=127.0.0.1:{pick_free_port()}",
+                 "learner.lr=0.1", "learner.adam_eps=1.0", "learner.poll_s=0.05", "learner.micro_batch_tokens=30",
+                 "learner.mini_batches=2", "learner.checkpoint_every=null"]
+    cfg = load_config(None, overrides)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    batch = make_records(1, seed=21, groups=3)
+    lp = LearnerProcess(cfg, run, tiny_model)
+    proc = lp.start()
+    with (run / "node2.log").open("wb") as log:
+        node2 = subprocess.Popen([sys.executable, "-m", "agentloop.cli", "learner-node", "--run-dir", str(run)],
+                                 stdout=log, stderr=subprocess.STDOUT, env=_env())
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        assert client.wait_ready(180)["world_size"] == 2
+        client.submit_records(1, batch, cfg.algo)
+        res = client.wait_update(1, 120)
+        client.stop()
+        assert lp.stop(grace_s=60) == 0 and node2.wait(60) == 0, (run / "node2.log").read_text()[-2000:]
+    finally:
+        for p in (proc, node2):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "--nnodes=2" in (run / "node2.log").read_text()
+    _, m, ref = one_step(tiny_model, cfg.algo, cfg.learner, batch, tmp_path / "ref")
+    for k in ("actor/loss", "actor/grad_norm", "batch/episodes"):
+        assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+    assert_weights_close(ref, Path(res.weights_dir), atol=1e-5)
 
 
 def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
@@ -525,7 +570,7 @@ def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
     try:
         client = MailboxClient(run, process=proc, poll_s=0.05)
         client.wait_ready(120)
-        client.submit(1, make_records(1))
+        client.submit_records(1, make_records(1), ALGO)
         client.wait_update(1, 120)
         log = lp.log_path.read_text()
         assert proc.poll() is None  # still running: nothing was flushed by an exit
@@ -956,7 +1001,7 @@ def test_background_checkpoint_is_published_while_the_learner_waits(tiny_model, 
     try:
         client = MailboxClient(run, process=proc, poll_s=0.05)
         client.wait_ready(120)
-        client.submit(1, make_records(1))
+        client.submit_records(1, make_records(1), ALGO)
         client.wait_update(1, 120)
         deadline = time.monotonic() + 60
         while latest_checkpoint(run / "checkpoints") is None:
@@ -972,25 +1017,25 @@ def test_background_checkpoint_is_published_while_the_learner_waits(tiny_model, 
 
 
 def test_pruning_never_deletes_the_newest_checkpoints_weights(tmp_path):
-    box = LearnerMailbox(tmp_path)
+    paths = MailboxPaths(tmp_path)
     for s in range(1, 10):
-        (box.paths.weights(s)).mkdir(parents=True)
-    box.prune_weights(3, protect={5})
-    assert sorted(d.name for d in box.paths.weights_root.iterdir()) == [f"step-00000{s}" for s in (5, 7, 8, 9)]
-    box.prune_weights(1, protect=set())
-    assert [d.name for d in box.paths.weights_root.iterdir()] == ["step-000009"]
+        (paths.weights(s)).mkdir(parents=True)
+    _prune_weights(paths, 3, protect={5})
+    assert sorted(d.name for d in paths.weights_root.iterdir()) == [f"step-00000{s}" for s in (5, 7, 8, 9)]
+    _prune_weights(paths, 1, protect=set())
+    assert [d.name for d in paths.weights_root.iterdir()] == ["step-000009"]
 
 
 def test_wait_caught_up_waits_for_the_batches_already_submitted(tmp_path):
     client = MailboxClient(tmp_path, heartbeat_timeout_s=30, poll_s=0.02)
     box = LearnerMailbox(tmp_path)
-    client.submit(3, make_records(3), data_position={"next": 6})
+    client.submit_records(3, make_records(3), ALGO, data_position={"next": 6})
     box.update_info(status="ready", next_step=3, data_position={"next": 4})  # resumed at 3, batch 3 waiting
     with pytest.raises(MailboxTimeout, match="submitted batch of step 3"):
         client.wait_caught_up(0.2)
     box.update_info(status="ready", next_step=4, data_position={"next": 6})
     assert client.wait_caught_up(1.0)["data_position"] == {"next": 6}
-    client.submit(4, make_records(4))
+    client.submit_records(4, make_records(4), ALGO)
     try:
         raise ValueError("bad batch")
     except ValueError as e:
@@ -1024,7 +1069,7 @@ def test_resume_weights_survive_pruning_and_a_final_stop_saves_the_last_step(tin
         client = MailboxClient(run, process=proc, poll_s=0.05)
         client.wait_ready(120)
         for s in (1, 2, 3):
-            client.submit(s, make_records(s), data_position={"next": 2 * s, "requeue": []})
+            client.submit_records(s, make_records(s), ALGO, data_position={"next": 2 * s, "requeue": []})
             client.wait_update(s, 120)
         assert sorted(d.name for d in (run / "weights").iterdir()) == ["step-000002", "step-000003"]
     finally:
@@ -1069,7 +1114,7 @@ def test_checkpoint_every_null_writes_no_checkpoint(tiny_model, tmp_path):
         client = MailboxClient(run, process=proc, poll_s=0.05)
         client.wait_ready(120)
         for s in (1, 2):
-            client.submit(s, make_records(s))
+            client.submit_records(s, make_records(s), ALGO)
             client.wait_update(s, 120)
         _finish(proc, client, run)
     finally:

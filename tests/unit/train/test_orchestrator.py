@@ -12,7 +12,7 @@ from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
 from agentloop.train.batching import prepare_episodes
 from agentloop.train.config import AlgoConfig
-from agentloop.train.mailbox import MailboxClient
+from agentloop.train.learner_process import FileLearner
 from agentloop.train.orchestrator import Trainer, TrainingError, rollout_metrics, trainable
 
 
@@ -35,7 +35,7 @@ class _Servers:
 
 def _trainer(tmp_path: Path, *over: str) -> Trainer:
     cfg = load_config(None, list(over))
-    return Trainer(cfg, tmp_path, _Servers(), None, MailboxClient(tmp_path), None, None, None, [])
+    return Trainer(cfg, tmp_path, _Servers(), None, FileLearner(tmp_path), None, None, [])
 
 
 def test_aborted_failed_and_unscored_records_are_not_trained():

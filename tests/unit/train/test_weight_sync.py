@@ -19,6 +19,7 @@ import torch
 
 from agentloop.train import weight_sync as ws
 from agentloop.train.config import LearnerConfig
+from agentloop.train.handle import WeightsOnDisk
 from agentloop.train.mailbox import (
     LearnerMailbox,
     MailboxClient,
@@ -349,11 +350,10 @@ def test_group_rendezvous_with_sglang_init_custom_process_group(tmp_path: Path):
 def test_mailbox_sync_handshake(tmp_path: Path):
     client = MailboxClient(tmp_path, poll_s=0.01)
     box = LearnerMailbox(tmp_path)
-    client.submit(1, [])
     box.request_sync(1, "nccl")
     ev = client.wait_update_or_sync(1, 5)
     assert ev == SyncRequest(step=1, method="nccl")
-    client.allow_sync(1, ["http://a", "http://b"])
+    client.allow_sync(ws.PushOrder(1, ("http://a", "http://b"), "abort"))
     assert box.wait_sync_go(1, 5)["urls"] == ["http://a", "http://b"]
     box.write_done(1, None, {"sync/total_s": 0.1}, pushed=True)
     upd = client.wait_update_or_sync(1, 5)  # sync.go is there: only update.done ends the wait now
@@ -361,9 +361,10 @@ def test_mailbox_sync_handshake(tmp_path: Path):
     assert client.wait_update(1, 5).metrics == {"sync/total_s": 0.1}
     # disk path unchanged: a weights dir and pushed False
     box.write_done(2, tmp_path / "w2", {})
-    assert client.wait_update(2, 5) == UpdateResult(step=2, weights_dir=tmp_path / "w2", metrics={}, pushed=False)
+    assert client.wait_update(2, 5) == UpdateResult(step=2, weights=WeightsOnDisk(str(tmp_path / "w2")), metrics={},
+                                                    pushed=False)
     # a resume past step 0 forgets the handshake files of later steps
-    box.clear_after(0)
+    box.forget_after(0)
     assert not client.paths.sync_request(1).exists() and not client.paths.sync_go(1).exists()
     from agentloop.train.mailbox import MailboxTimeout
 
@@ -373,12 +374,12 @@ def test_mailbox_sync_handshake(tmp_path: Path):
 
 def test_orchestrator_learner_update_pauses_around_the_push(fakes, tmp_path: Path):
     """tensor/nccl: pause -> (learner pushes) -> resume; disk: pause -> update_weights_from_disk -> resume."""
-    from agentloop.config import Config, ManagerConfig
+    from agentloop.config import Config, ManagerConfig, load_config
     from agentloop.server_manager import ServerManager
+    from agentloop.train.learner_process import FileLearner
     from agentloop.train.orchestrator import Trainer
 
-    cfg = Config()
-    client = MailboxClient(tmp_path, poll_s=0.01)
+    push_cfg, disk_cfg = load_config(None, ["learner.weight_sync=tensor"]), Config()
     box = LearnerMailbox(tmp_path)
     urls = [f.url for f in fakes]
 
@@ -391,15 +392,16 @@ def test_orchestrator_learner_update_pauses_around_the_push(fakes, tmp_path: Pat
 
     async def main():
         async with ServerManager(urls, ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-            trainer = Trainer(cfg, tmp_path, sm, None, client, None, None, None, [])
+            learner = FileLearner(tmp_path, poll_s=0.01)
+            trainer = Trainer(push_cfg, tmp_path, sm, None, learner, None, None, [])
             th = threading.Thread(target=learner_side)
             th.start()
             upd, _, _ = await trainer.learner_update(1)
             th.join(10)
             assert upd.pushed and sm.server_versions() == {u: 1 for u in urls} and sm.expected_version == 1
             box.write_done(2, tmp_path / "w2", {})
-            upd2, _, _ = await trainer.learner_update(2)
-            assert upd2.weights_dir == tmp_path / "w2" and not upd2.pushed
+            upd2, _, _ = await Trainer(disk_cfg, tmp_path, sm, None, learner, None, None, []).learner_update(2)
+            assert upd2.weights_dir == str(tmp_path / "w2") and not upd2.pushed
             assert sm.server_versions() == {u: 2 for u in urls} and sm.expected_version == 2
 
     asyncio.run(main())

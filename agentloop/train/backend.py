@@ -1,0 +1,56 @@
+"""Where a training run's parts run: `cluster.backend`.
+
+    Backend        the protocol: `server_pool` (the servers: agentloop.inference.serving.ServerPool), `learner`
+                   (the learner: agentloop.train.handle.LearnerHandle), `start` / `close` around the run
+    LocalBackend   this host (or a shared filesystem): launched or given servers, the learner as a child process
+                   group talking through the file mailbox (FileLearner)
+The Ray backend (agentloop.cluster.RayBackend: server, learner-rank and rollout actors) implements the same
+protocol; `agentloop train` picks it for `cluster.backend=ray`, and `run_train(cfg, backend=...)` takes one.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from agentloop.config import Config
+from agentloop.inference.serving import ServerPool, pool_for
+from agentloop.train.handle import LearnerHandle
+from agentloop.train.learner_process import FileLearner
+
+
+class Backend(abc.ABC):
+    """What a run asks of the place it runs in (module doc)."""
+
+    name = ""
+
+    async def start(self) -> None:
+        """Before anything else of the run (connect to a cluster); nothing for one host."""
+        return None
+
+    @abc.abstractmethod
+    def server_pool(self, cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
+        """The run's servers."""
+
+    @abc.abstractmethod
+    def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
+        """The run's learner (not started yet)."""
+
+    async def close(self) -> None:
+        """After everything else of the run (bounded); nothing for one host."""
+        return None
+
+
+class LocalBackend(Backend):
+    """Servers and learner on this host (module doc)."""
+
+    name = "local"
+
+    def server_pool(self, cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
+        return pool_for(cfg, model_path, run_dir)
+
+    def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
+        return FileLearner.for_run(cfg, run_dir, model_path)
+
+
+__all__ = ["Backend", "LocalBackend"]
