@@ -15,7 +15,8 @@ itself. Nothing inside the package imports this file (the public API re-exports 
     layer       where                                    role
     cli         cli.py                                   the command line
     bench       bench/                                   benchmarks (`agentloop bench ...`)
-    train       train/                                   `agentloop train`: orchestrator, mailbox, weight sync, learner
+    cluster     cluster/                                 the Ray backend of `agentloop train`: server and learner actors
+    train       train/                                   `agentloop train`: orchestrator, learner handle, weight transport, learner
     rollout     rollout/                                 the engine, scoring, run summary, `agentloop rollout`
     report      report/                                  progress line, step log, curves, trace pages
     models      models/                                  tiny model, warm start, model and tokenizer loading

@@ -339,6 +339,7 @@ class Trainer:
                     "rollout/tokens_per_s": sum(r.num_model_tokens for r in records) / max(1e-9, t_roll),
                     "server/healthy": g["server/healthy"], "server/total": g["server/total"],
                     "server/ejections": g["server/ejections"], "server/readmissions": g["server/readmissions"],
+                    "server/retries": g["server/retries"],
                     # prompt tokens the servers' prefix caches served since the last step (a flush per update
                     # empties them; in_place keeps them, isolated per version)
                     "server/prefix_cache_hit_rate": step_cached / step_prompt if step_prompt else 0.0,

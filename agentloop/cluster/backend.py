@@ -1,0 +1,95 @@
+"""RayBackend: `cluster.backend=ray` (agentloop.cluster's package doc).
+
+Connects the run to the Ray cluster at `cluster.address` (or starts a local one for the run), places the learner's
+ranks in one placement group (the servers share its bundles with `cluster.colocate`), and gives the run a
+RayServerPool (or the URL pool of `server.urls`) and a RayLearner. Everything it made is gone when the run ends:
+actors killed, the placement group removed, the driver disconnected (a local Ray instance stopped).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agentloop.cluster.ray_learner import RayLearner
+from agentloop.cluster.ray_servers import NAMESPACE, RayServerPool
+from agentloop.config import Config
+from agentloop.errors import ConfigError
+from agentloop.inference.serving import ServerPool, UrlPool
+from agentloop.train.backend import Backend
+from agentloop.train.handle import LearnerHandle
+
+
+class RayBackend(Backend):
+    """Servers and learner ranks as Ray actors (module doc)."""
+
+    name = "ray"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.placement_group: Any = None
+        self._connected = False
+        self._gpus = 0.0
+
+    @staticmethod
+    def run_name(run_dir: Path) -> str:
+        """The run's actor name prefix (unique per run dir name; Ray names allow these characters)."""
+        return "agentloop-" + re.sub(r"[^A-Za-z0-9_.-]", "-", run_dir.name)
+
+    async def start(self) -> None:
+        if not ray.is_initialized():
+            c = self.cfg.cluster
+            kw: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
+            if c.address is None:
+                kw["include_dashboard"] = False
+            ray.init(address=c.address, **kw)
+            self._connected = True
+        self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
+
+    def _uses_cuda(self, device: str) -> bool:
+        return device == "cuda" or (device == "auto" and self._gpus > 0)
+
+    def _pg(self) -> Any:
+        """The learner's placement group, shared with the servers when colocated (made once)."""
+        if self.placement_group is None and self.cfg.cluster.colocate:
+            from ray.util.placement_group import placement_group
+
+            c = self.cfg.cluster
+            bundle = {"CPU": 2 * c.cpus_per_actor, **({"GPU": 1.0} if self._gpus else {}), **c.learner_resources}
+            self.placement_group = placement_group([dict(bundle) for _ in range(self.cfg.learner.nproc)],
+                                                   strategy="SPREAD" if c.placement == "spread" else "PACK")
+        return self.placement_group
+
+    def server_pool(self, cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
+        if cfg.server.urls:
+            return UrlPool(list(cfg.server.urls))
+        c = cfg.cluster
+        gpus = c.server_gpus if c.server_gpus is not None else (
+            (0.5 if c.colocate else 1.0) if self._uses_cuda(cfg.server.device) else 0.0)
+        return RayServerPool(cfg.server, c, model_path, self.run_name(run_dir), gpus=gpus, placement_group=self._pg())
+
+    def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
+        c = cfg.cluster
+        gpus = c.learner_gpus if c.learner_gpus is not None else (
+            (0.5 if c.colocate else 1.0) if self._uses_cuda(cfg.learner.device) else 0.0)
+        if gpus == 0 and cfg.learner.weight_sync != "disk":
+            raise ConfigError(f"learner.weight_sync={cfg.learner.weight_sync} needs GPU learner ranks; the Ray cluster "
+                              "has no GPU (or cluster.learner_gpus=0)")
+        return RayLearner(cfg, run_dir, model_path, run=self.run_name(run_dir), gpus=gpus,
+                          placement_group=self._pg())
+
+    async def close(self) -> None:
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self._connected:
+            ray.shutdown()
+            self._connected = False
+
+
+__all__ = ["RayBackend"]

@@ -1,0 +1,171 @@
+"""RayServerPool: each SGLang server a Ray actor (ServerActor) on the node Ray places it on.
+
+A ServerActor launches today's LocalServer (agentloop.inference.launcher) from its constructor, on its node's
+address and a port the pool chose, and waits until it serves; the server's process group dies with the actor
+(the launcher arms the parent-death signal: Ray's sync actors run their methods on the main thread). Ray restarts
+a dead actor up to `cluster.server_restarts` times: the constructor runs again, at the same port, so the server
+comes back at its URL and the ServerManager re-admits it once it serves the current weights (resynced through
+`stage`, or at the next push).
+
+Weights without a shared filesystem (`stage`): every server reads an HF directory of the learner's from its own
+node. Each actor fetches the directory's files from their holder (the learner's rank-0 actor,
+`WeightsOnDisk.host`) through Ray's object store into its node's temp dir, once per directory, and keeps the
+newest two; with `cluster.shared_fs` the path is used as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agentloop.config import ClusterConfig, ServerConfig
+from agentloop.errors import ServerError, ServerStartError
+from agentloop.inference.launcher import LocalServer, pick_free_port, resolve_device
+from agentloop.inference.serving import ServerPool
+
+NAMESPACE = "agentloop"
+"""The Ray namespace of every actor a run makes (named `<run>-server<i>`, `<run>-learner-rank<r>`)."""
+
+KEEP_WEIGHTS = 2
+"""HF directories a server actor keeps on its node (the newest; a resync needs the current one)."""
+
+
+def scratch_dir(run: str, what: str) -> Path:
+    """A directory of this node's own (its temp dir, which `ray start` may point elsewhere per node)."""
+    d = Path(tempfile.gettempdir()) / "agentloop-ray" / run / what
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class ServerActor:
+    """One SGLang server on its node (module doc). Methods run on the actor's main thread, one at a time."""
+
+    def __init__(self, server_cfg: dict[str, Any], model_path: str, run: str, index: int, port: int):
+        cfg = ServerConfig(**server_cfg)
+        self.dir = scratch_dir(run, f"server{index}")
+        self.node = ray.get_runtime_context().get_node_id()
+        self.server = LocalServer(model_path, host=ray.util.get_node_ip_address(), port=port,
+                                  device=resolve_device(cfg.device), gpu_id=None,  # Ray set CUDA_VISIBLE_DEVICES
+                                  max_total_tokens=cfg.max_total_tokens, mem_fraction_static=cfg.mem_fraction_static,
+                                  extra_args=cfg.extra_args, log_path=self.dir / "server.log",
+                                  startup_timeout_s=cfg.startup_timeout_s, shutdown_timeout_s=cfg.shutdown_timeout_s)
+        self.server.start()
+        asyncio.run(self.server.wait_ready())
+        self.weights: dict[str, str] = {}  # learner path -> this node's copy, oldest first
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.server.url, "node": self.node, "pid": self.server.pid, "dir": str(self.dir),
+                "log": str(self.server.log_path)}
+
+    def fetch_weights(self, path: str, holder: Any) -> str:
+        """This node's copy of the learner's HF directory `path`, fetched from `holder` (an actor with
+        `read_dir`) through the object store once."""
+        if path in self.weights:
+            return self.weights[path]
+        files: dict[str, bytes] = ray.get(holder.read_dir.remote(path))
+        dest = self.dir / "weights" / Path(path).name
+        tmp = dest.with_name(f".{dest.name}.tmp-{time.monotonic_ns()}")
+        for rel, data in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        self.weights[path] = str(dest)
+        while len(self.weights) > KEEP_WEIGHTS:
+            old = self.weights.pop(next(iter(self.weights)))
+            if old != str(dest):
+                shutil.rmtree(old, ignore_errors=True)
+        return str(dest)
+
+    def log_tail(self, n: int = 30) -> str:
+        return self.server.log_tail(n)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def actor_options(cluster: ClusterConfig, gpus: float, *, name: str, resources: dict[str, float],
+                  placement_group: Any = None, bundle: int | None = None, restarts: int = 0) -> dict[str, Any]:
+    opts: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "num_cpus": cluster.cpus_per_actor,
+                            "num_gpus": gpus, "resources": dict(resources), "max_restarts": restarts}
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle)
+        opts["resources"] = {}  # the bundle holds them
+    return opts
+
+
+class RayServerPool(ServerPool):
+    """`server.num_local` servers as Ray actors (module doc). `placement_group`: colocated with the learner's
+    ranks (server i in bundle i)."""
+
+    def __init__(self, server_cfg: ServerConfig, cluster: ClusterConfig, model_path: Path, run: str, *,
+                 gpus: float, placement_group: Any = None):
+        self.server_cfg = server_cfg
+        self.cluster = cluster
+        self.model_path = model_path
+        self.run = run
+        self.gpus = gpus
+        self.placement_group = placement_group
+        self.actors: list[Any] = []
+        self._urls: list[str] = []
+        self.infos: list[dict[str, Any]] = []
+
+    async def launch(self) -> list[str]:
+        remote = ray.remote(ServerActor)
+        cfg = self.server_cfg.model_dump()
+        n = self.server_cfg.num_local
+        for i in range(n):
+            port = self.server_cfg.base_port + i if self.server_cfg.base_port else pick_free_port()
+            opts = actor_options(self.cluster, self.gpus, name=f"{self.run}-server{i}",
+                                 resources=self.cluster.server_resources, placement_group=self.placement_group,
+                                 bundle=i if self.placement_group is not None else None,
+                                 restarts=self.cluster.server_restarts)
+            self.actors.append(remote.options(**opts).remote(cfg, str(self.model_path), self.run, i, port))
+        try:
+            self.infos = list(await asyncio.gather(*(a.info.remote() for a in self.actors)))
+        except ray.exceptions.RayActorError as e:
+            await self.stop()
+            raise ServerStartError(f"a server actor failed to start: {_cause(e)}") from None
+        self._urls = [i["url"] for i in self.infos]
+        return self.urls
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._urls)
+
+    async def stage(self, path: str, host: Any = None) -> str | dict[str, str]:
+        if self.cluster.shared_fs:
+            return path
+        if host is None:
+            raise ServerError(f"the weights {path} have no holder to fetch them from and cluster.shared_fs is false")
+        copies = await asyncio.gather(*(a.fetch_weights.remote(path, host) for a in self.actors),
+                                      return_exceptions=True)
+        # a dead actor's server fails the update and is ejected; its entry only keeps the mapping whole
+        return {u: c if isinstance(c, str) else path for u, c in zip(self._urls, copies)}
+
+    async def stop(self) -> None:
+        actors, self.actors = self.actors, []
+        if not actors:
+            return
+        refs = [a.stop.remote() for a in actors]
+        grace = self.server_cfg.shutdown_timeout_s + 5
+        await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=grace)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of a Ray error (its cause), for messages."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+__all__ = ["KEEP_WEIGHTS", "NAMESPACE", "RayServerPool", "ServerActor", "actor_options", "scratch_dir"]

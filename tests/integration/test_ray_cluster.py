@@ -1,0 +1,185 @@
+"""`agentloop train` on a Ray cluster (cluster.backend=ray), on CPU: two simulated nodes of one local cluster,
+each a raylet with its own custom resource and its own scratch dir (TMPDIR of its workers): the servers pinned to
+node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLang CPU servers, the real learner.
+
+  * two steps end to end with two server actors, one killed mid-rollout: no episode is lost (every step trains
+    whole groups of every prompt), records and metrics come back to the driver, and no file path crosses from one
+    node's scratch dir to the other's (the learner's weights reach the servers through Ray);
+  * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
+    command resumes from that checkpoint on the learner's node and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agentloop.records import read_records
+from agentloop.train.checkpoint import latest_checkpoint
+from agentloop.train.mailbox import MailboxPaths
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.ray]
+
+REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+          "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
+
+
+@dataclass
+class Nodes:
+    address: str
+    a: Path
+    """node_a's scratch dir (its workers' TMPDIR): the servers'."""
+    b: Path
+    """node_b's: the learner's."""
+    driver: Path
+    """The driver's own scratch dir and run dirs."""
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory) -> Nodes:
+    pytest.importorskip("ray", reason="cluster.backend=ray needs `pip install 'agentloop[ray]'` (scripts/setup.sh)")
+    from ray.cluster_utils import Cluster
+
+    base = tmp_path_factory.mktemp("ray")
+    a, b, driver = base / "node_a", base / "node_b", base / "driver"
+    for d in (a, b, driver):
+        d.mkdir()
+    common = {"num_cpus": 4, "object_store_memory": 200 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **common, "resources": {"node_a": 4}, "env_vars": {"TMPDIR": str(a)}, "include_dashboard": False})
+    try:
+        cluster.add_node(**common, resources={"node_b": 4}, env_vars={"TMPDIR": str(b)})
+        yield Nodes(cluster.address, a, b, driver)
+    finally:
+        cluster.shutdown()
+
+
+def _cmd(nodes: Nodes, tiny_model_path: Path, run_dir: Path, plugin: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--model", str(tiny_model_path),
+            "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir), "train.val_every=0",
+            "rollout.n_samples=2", "train.prompts_per_step=2", "learner.lr=0.001", "train.tensorboard=false",
+            "reward.custom=" + json.dumps(f"{plugin}:compute_score"), "cluster.backend=ray",
+            f"cluster.address={nodes.address}", "cluster.server_resources={node_a: 1}",
+            "cluster.learner_resources={node_b: 1}", f"cluster.learner_dir={nodes.b / 'learner' / run_dir.name}",
+            "manager.retry_budget_s=120", *extra]
+
+
+def _env(nodes: Nodes) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(nodes.driver)}
+
+
+def _wait(proc: subprocess.Popen, log: Path, cond, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def _files(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if p.is_file()]
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, tiny_model_path, tmp_path):
+    run_dir, plugin, log = nodes.driver / "run-two-nodes", nodes.driver / "reward.py", tmp_path / "run.log"
+    plugin.write_text(REWARD)
+    cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "server.num_local=2",
+               "sampling.max_new_tokens=400", "learner.checkpoint_every=null")
+    ray = _ray()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
+    try:
+        # step 2's batch is taken and step 3's groups were just admitted (async, η = 1), each generating up to
+        # 400 tokens: kill a server's actor now, while they run
+        _wait(proc, log, lambda: (run_dir / "rollouts" / "step-000002.jsonl").is_file(), "step 2's records")
+        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
+        try:
+            victim = ray.get_actor(f"agentloop-{run_dir.name}-server1")
+            killed_url = ray.get(victim.info.remote())["url"]
+            ray.kill(victim)  # no_restart=False: Ray brings it back (cluster.server_restarts=1)
+        finally:
+            ray.shutdown()
+        assert proc.wait(600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log.read_text()
+    print(out[-3000:])
+    # records and metrics came back to the driver
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["learner/actor/optimizer_steps"] == 1.0 for r in rows)
+    # no episode lost: every step trained two whole groups of two episodes, none failed
+    for step in (1, 2, 3):
+        recs = list(read_records(run_dir / "rollouts" / f"step-{step:06d}.jsonl"))
+        assert len(recs) == 4 and all(r.error is None for r in recs), (step, [r.error for r in recs])
+        assert sorted({r.uid for r in recs}) == sorted(r.uid for r in recs[::2]) and len({r.uid for r in recs}) == 2
+    # the killed server's calls went to the other one (retried), and it was ejected
+    assert rows[-1]["server/retries"] >= 1 and rows[-1]["server/ejections"] >= 1, rows[-1]
+    assert any(killed_url in ln and "ejected" in ln for ln in out.splitlines()), out[-3000:]
+    # no path crossed: the driver holds no weights or checkpoints, the learner's files are on node_b only, the
+    # servers loaded copies on node_a
+    learner_dir = nodes.b / "learner" / run_dir.name
+    assert not (run_dir / "weights").exists() and not (run_dir / "checkpoints").exists()
+    assert (learner_dir / "weights" / "step-000003").is_dir() and latest_checkpoint(learner_dir / "checkpoints")
+    served = nodes.a / "agentloop-ray" / f"agentloop-{run_dir.name}"
+    copies = sorted(p.name for p in (served / "server0" / "weights").iterdir())
+    assert copies[-1] == "step-000003", copies
+    assert not (nodes.a / "learner").exists() and not (nodes.b / "agentloop-ray").exists()
+    assert not any(str(nodes.b) in p.read_text(errors="replace") for p in _files(served) if p.suffix == ".log")
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["last_weights"] == str(learner_dir / "weights" / "step-000003")
+    assert summary["learner_exit"] == 0
+
+
+def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes(nodes, tiny_model_path, tmp_path):
+    run_dir, plugin = nodes.driver / "run-learner-kill", nodes.driver / "reward.py"
+    plugin.write_text(REWARD)
+    logs = [tmp_path / "run1.log", tmp_path / "run2.log"]
+    learner_dir = nodes.b / "learner" / run_dir.name
+    cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=4", "sampling.max_new_tokens=6",
+               "learner.checkpoint_every=2")
+    ray = _ray()
+    with logs[0].open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
+    try:
+        _wait(proc, logs[0], lambda: latest_checkpoint(learner_dir / "checkpoints") is not None, "checkpoint 2")
+        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
+        try:
+            ray.kill(ray.get_actor(f"agentloop-{run_dir.name}-learner-rank0"))
+        finally:
+            ray.shutdown()
+        rc = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = logs[0].read_text()
+    assert rc != 0, out[-3000:]
+    assert f"learner rank 0 (agentloop-{run_dir.name}-learner-rank0, a Ray actor) its actor died" in out, out[-3000:]
+    ck = latest_checkpoint(learner_dir / "checkpoints")
+    assert ck is not None and ck.name == "step-000002"
+    # the same command resumes from it, on the learner's node, and finishes
+    with logs[1].open("wb") as out2:
+        second = subprocess.run(cmd, stdout=out2, stderr=subprocess.STDOUT, env=_env(nodes), timeout=600)
+    out = logs[1].read_text()
+    assert second.returncode == 0, out[-4000:]
+    assert "resumed at step 3 (data position" in out and "the learner resumed from checkpoint 2" in out, out[-3000:]
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert (learner_dir / "weights" / "step-000004").is_dir()
+    assert not MailboxPaths(run_dir).mailbox.exists() or not any(MailboxPaths(run_dir).mailbox.glob("step-*"))
