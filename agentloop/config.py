@@ -9,6 +9,7 @@ Map:
     DataConfig         where rows come from
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
+    ClusterConfig      the GPUs a training run plans for (`agentloop train --dry-run` can plan for absent ones)
     Config             the root; `load_config(path, overrides)` builds it
     validate_for_training  the rules that hold only when rollouts train a policy (`agentloop train`):
                        one temperature for sampler and learner, no greedy, no truncated sampling
@@ -281,6 +282,16 @@ class TrainConfig(Section):
     sampling config is an error in training."""
 
 
+class ClusterConfig(Section):
+    """The machine a training run plans its GPU memory for (agentloop.train.plan)."""
+
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+    """Plan for GPUs of this size (GiB each, e.g. 80 for an H100), also on a machine without a GPU
+    (`agentloop train --dry-run` on a CPU box). None: the visible GPUs, by their free memory at start."""
+    num_gpus: int | None = Field(default=None, ge=1)
+    """Plan for this many GPUs. None: the visible ones (1 when gpu_memory_gib is set and none is visible)."""
+
+
 class Config(Section):
     name: str = "agentloop"
     """Run name; the run directory is `<runs_dir>/<name>-<timestamp>`."""
@@ -312,6 +323,8 @@ class Config(Section):
     """What the learner optimises (advantages, PPO loss, KL, entropy)."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     """How the learner runs (optimizer, schedule, micro-batches, ranks, checkpoints)."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """The GPUs a training run plans its memory for (None: the visible ones)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
