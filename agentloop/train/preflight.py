@@ -218,22 +218,25 @@ def check_rewards(cfg: Config, data: Any) -> Check:
     for s in list(data.train) + list(data.val):
         first.setdefault(s.data_source, s)
         counts[s.data_source] += 1
-    ok, bad = [], []
+    ok, bad, missing = [], [], []
     for ds, s in first.items():
         try:
             fn = scorer.reward_fn(s)
-        except AgentLoopError as e:
-            bad.append(f"data_source {ds!r} ({counts[ds]} rows, first: {_where(s, data)}): {e}")
+        except AgentLoopError:  # the registry's lookup (a custom reward would have been returned)
+            missing.append(ds)
+            said = (f"neither it nor reward.default={cfg.reward.default!r} is a registered reward" if cfg.reward.default
+                    else "no reward is registered under this name, and reward.default is unset")
+            bad.append(f"data_source {ds!r} ({counts[ds]} rows, first: {_where(s, data)}): {said}")
             continue
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
         how = ("reward.custom" if scorer.custom is not None else
                "reward.default" if ds not in _registered() and ds not in scorer.overrides else "")
         ok.append(f"{ds} ({counts[ds]} rows): {name}" + (f" ({how})" if how else ""))
     if bad:
-        return Check("rewards", "FAIL", "no reward for " + ", ".join(repr(ds) for ds in first
-                                                                      if any(f"{ds!r}" in b for b in bad)),
+        return Check("rewards", "FAIL", "no reward for data_source " + ", ".join(repr(ds) for ds in missing),
                      bad + ["register one (a plugin's register_reward), set reward.default to a registered reward, "
-                            "or reward.custom to path/file.py:function"])
+                            "or reward.custom to path/file.py:function; registered: "
+                            + ", ".join(sorted(_registered()))])
     return Check("rewards", "ok", "; ".join(ok))
 
 
@@ -421,8 +424,8 @@ def check_model(cfg: Config, model_path: Path, model_config: dict[str, Any]) -> 
     except (ConfigError, ValueError) as e:
         return Check("model", "FAIL", f"{model_path}: {e}")
     if not support.ok:
-        return Check("model", "FAIL", support.message(str(model_path)).replace(":\n  ", ":", 1).split("\n  ")[0],
-                     support.problems[1:])
+        return Check("model", "FAIL", f"the learner cannot run {model_path} (model_type {support.model_type!r}) "
+                                      "exactly", list(support.problems))
     return Check("model", "ok", f"{support.model_type} ({shape.params / 1e6:,.0f}M parameters, {shape.layers} layers) "
                                 f"at {model_path}: the learner runs it exactly", list(support.applied))
 
@@ -506,7 +509,8 @@ def machine_for(cfg: Config, inventory: list[dict[str, Any]], *, dry_run: bool) 
             raise ConfigError(f"cluster.gpu_memory_gib={cl.gpu_memory_gib:g} plans for GPUs, but none is visible here: "
                               "this run would run on CPU. Plan for GPUs with --dry-run, or unset cluster.gpu_memory_gib")
         n = cl.num_gpus or 1
-        return [float(cl.gpu_memory_gib)] * n, f"{n} GPU(s) of {cl.gpu_memory_gib:g} GiB (cluster.*; none visible here)"
+        return [float(cl.gpu_memory_gib)] * n, (f"{n} GPU{'s' if n > 1 else ''} of {cl.gpu_memory_gib:g} GiB "
+                                                "(cluster.gpu_memory_gib; none visible here)")
     n = cl.num_gpus or len(inventory)
     if n > len(inventory):
         if not dry_run:
