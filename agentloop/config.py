@@ -71,9 +71,12 @@ class ServerConfig(Section):
     base_port: int = Field(default=0, ge=0, le=65535)
     """First port for local servers; 0 picks free ports."""
     max_total_tokens: int | None = Field(default=16384, ge=256)
-    """KV-cache pool size in tokens for local servers (SGLang's default sizing takes ~15 GB on CPU)."""
+    """KV-cache pool size in tokens for local servers (SGLang's default sizing takes ~15 GB on CPU). On CUDA
+    `agentloop train` leaves the pool to the memory plan (None) unless this is set."""
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
-    """GPU memory fraction for weights + KV cache on local CUDA servers (None: SGLang's default)."""
+    """GPU memory fraction for weights + KV cache on local CUDA servers. None: `agentloop train` plans it
+    (agentloop.train.plan: next to the learner on a shared GPU, the weights and the KV of the episodes in
+    flight; alone on a GPU, SGLang's own sizing), `agentloop rollout` leaves it to SGLang."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed verbatim to `sglang.launch_server`."""
     startup_timeout_s: float = Field(default=300.0, gt=0)

@@ -413,7 +413,7 @@ def make_plan(model: ModelShape, learner: LearnerSetup, servers: ServerSetup, wo
                     f"server.mem_fraction_static={servers.mem_fraction_static} x GPU {b.index}'s {b.capacity:.1f} GiB "
                     f"does not hold the weights ({model.weights_gib:.1f} GiB) and KV for one episode of "
                     f"{work.longest} tokens ({kv_min:.2f} GiB): raise it, or unset it (then it is planned)")
-            elif b.left < 0 and mem is None:
+            if b.left < 0 and mem is None:
                 problems.append(f"GPU {b.index} ({b.capacity:.1f} GiB): server.mem_fraction_static="
                                 f"{servers.mem_fraction_static} leaves no room for the servers' runtime memory "
                                 f"({k * SERVER_RUNTIME_GIB:.1f} GiB): lower it")
@@ -459,7 +459,10 @@ def make_plan(model: ModelShape, learner: LearnerSetup, servers: ServerSetup, wo
                 f"{kv_min:.2f} GiB, each): {short:.1f} GiB short; "
                 + _advice(model, learner, work.longest, max(0.0, lr)))
             kv = max(kv, 0.0)
-        frac = math.ceil((model.weights_gib + kv) / b.capacity * 1000) / 1000
+        # rounded up to SGLang's 3 decimals, but never past what the GPU has left
+        most = (b.capacity - b.learner_ranks * (mem.need if kv >= kv_min else floor)) / k - SERVER_RUNTIME_GIB
+        frac = min(math.ceil((model.weights_gib + kv) / b.capacity * 1000), math.floor(most / b.capacity * 1000)) / 1000
+        kv = max(kv, 0.0) if frac * b.capacity >= model.weights_gib + kv else frac * b.capacity - model.weights_gib
         fraction = frac if fraction is None else min(fraction, frac)  # one setting for every server
         b.server = k * (frac * b.capacity + SERVER_RUNTIME_GIB)
         kv_gib += [kv] * k

@@ -471,13 +471,14 @@ def check_tools(cfg: Config, tokenizer: Any, data: Any, kind: str) -> Check:
 # ------------------------------------------------------------------------------------------------ the machine
 
 
-def gpu_inventory(timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """The visible GPUs: [{name, total, free}] in bytes. Empty without a GPU device (then torch is not even
-    imported); else asked of torch in a child process, which takes its CUDA contexts with it when it exits."""
+def gpu_inventory(timeout_s: float = 120.0, *, dev: Path = Path("/dev")) -> list[dict[str, Any]]:
+    """The visible GPUs: [{name, total, free}] in bytes. Empty without a GPU device node in `dev` (then torch is
+    not even imported); else asked of torch in a child process, which takes its CUDA contexts with it when it
+    exits (the orchestrator never holds one)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return []
-    if not any(Path("/dev").glob("nvidia[0-9]*")):
+    if not any(dev.glob("nvidia[0-9]*")):
         return []
     try:
         out = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True, timeout=timeout_s,
@@ -547,8 +548,8 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
     s, lc, m, smp = cfg.server, cfg.learner, cfg.manager, cfg.sampling
     derived: list[Derived] = []
 
-    def pick(section: Any, key: str, value: Any, why: str) -> Any:
-        user = _set(section, key)
+    def pick(section: Any, key: str, value: Any, why: str, *, user: bool | None = None) -> Any:
+        user = _set(section, key) if user is None else user
         name = {id(cfg.server): "server", id(cfg.learner): "learner", id(cfg.manager): "manager",
                 id(cfg.sampling): "sampling"}[id(section)]
         derived.append(Derived(f"{name}.{key}", getattr(section, key) if user else value, why, user))
@@ -566,7 +567,7 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
         sync_bucket_gib=0.0 if (sync_given or "tensor") == "disk" else lc.weight_sync_bucket_mb / 1024)
     servers = planner.ServerSetup(
         count=local, gpus=s.gpus,
-        mem_fraction_static=s.mem_fraction_static if _set(s, "mem_fraction_static") else None,
+        mem_fraction_static=s.mem_fraction_static,  # None (unset or null): planned
         max_total_tokens=s.max_total_tokens if _set(s, "max_total_tokens") else None,
         max_inflight=m.max_inflight_per_server if _set(m, "max_inflight_per_server") else None)
     work = _workload(cfg, kind, longest_prompt, ctx, mnt)
@@ -580,7 +581,7 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
         pick(s, "max_total_tokens", None, "the KV pool from free memory")
         pick(s, "mem_fraction_static", plan.mem_fraction_static,
              "weights + the KV of the episodes in flight, next to the learner" if plan.colocated
-             else "SGLang's own sizing (the server has its GPU to itself)")
+             else "SGLang's own sizing (the server has its GPU to itself)", user=s.mem_fraction_static is not None)
         pick(m, "max_inflight_per_server", plan.max_inflight_per_server,
              "every episode in flight at once" if plan.episodes_per_server * local >= work.episodes
              else "what the KV pool holds at once")
@@ -688,7 +689,7 @@ def run_preflight(cfg: Config, model_path: Path, *, dry_run: bool = False) -> Pr
         record = plan_record(plan, machine, gpu_gib, shape)
     if gpu_gib is not None:
         checks.append(check_memory(plan, machine) if plan is not None or not gpu_gib else
-                      Check("memory", "FAIL", "not planned: the checks above failed"))
+                      Check("memory", "warn", "not planned: it needs the checks above"))
     pre = Preflight(checks, data, plan, machine, derived, time.monotonic() - t0, record)
     if plan is not None and not pre.failed:
         apply_plan(cfg, derived)

@@ -259,9 +259,14 @@ def test_a_failing_check_stops_agentloop_train_before_anything_starts(models, tm
     assert not (tmp_path / "runs").exists()
 
 
-def test_gpu_inventory_without_a_gpu_device(monkeypatch):
+def test_gpu_inventory_without_a_gpu_device(monkeypatch, tmp_path):
+    assert preflight.gpu_inventory(dev=tmp_path) == []  # no device node: torch is not even asked
+    (tmp_path / "nvidia0").touch()
+    # a device node: torch is asked in a child process (none visible to it here)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert preflight.gpu_inventory(dev=tmp_path) == []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert preflight.gpu_inventory() == []
+    assert preflight.gpu_inventory(dev=tmp_path) == []
 
 
 def test_the_machine_planned_for(models, gsm8k):
