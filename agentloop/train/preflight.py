@@ -197,6 +197,7 @@ def _dedupe(lines: list[str]) -> list[str]:
 
 
 def _where(sample: Sample, data: Any) -> str:
+    """Which row, by its position in its file counted from 0 (Sample.index; a Parquet row's own numbering)."""
     val = any(s is sample for s in data.val) and not any(s is sample for s in data.train)
     source = data.config.val_path if val and data.config.val_path else data.train_source
     return f"{'validation' if val else 'training'} row {sample.index} of {source}"
@@ -405,8 +406,9 @@ def check_prompts(cfg: Config, tokenizer: Any, data: Any, kind: str, ctx: int) -
     n, s = measured[0]
     too_long = [(k, t) for k, t in measured if k >= ctx]
     if too_long:
-        return Check("prompts", "FAIL", f"{len(too_long)} prompt(s) leave no room to answer in the context of {ctx} "
-                                        "tokens (model.context_length, else max_position_embeddings)",
+        return Check("prompts", "FAIL", f"{len(too_long)} of the {len(measured)} longest prompts leave no room to "
+                                        f"answer in the context of {ctx} tokens (model.context_length, else "
+                                        "max_position_embeddings)",
                      [f"{_where(t, data)}: {k} tokens" for k, t in too_long[:_SHOWN]]
                      + ["drop or shorten those rows, or raise model.context_length"]), n
     return Check("prompts", "ok", f"longest {n} tokens ({_where(s, data)}) of a {ctx}-token context"), n

@@ -180,7 +180,7 @@ def test_prompts_longer_than_the_context(models, tmp_path, capsys):
     data = (_write(tmp_path / "train.jsonl", rows), _write(tmp_path / "test.jsonl", _gsm8k_rows(3)))
     assert main(_dry(models["shape"], data, "model.context_length=128")) == 2
     out = capsys.readouterr().out
-    assert "FAIL  prompts   1 prompt(s) leave no room to answer in the context of 128 tokens" in out
+    assert "FAIL  prompts   1 of the 23 longest prompts leave no room to answer in the context of 128 tokens" in out
     assert f"training row 11 of {data[0]}" in out
 
 
