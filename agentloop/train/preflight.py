@@ -534,7 +534,9 @@ def machine_for(cfg: Config, inventory: list[dict[str, Any]], *, dry_run: bool) 
 def _workload(cfg: Config, kind: str, longest_prompt: int, ctx: int, max_new_tokens: int) -> planner.Workload:
     t, r = cfg.train, cfg.rollout
     window = (t.max_staleness + 1) if t.schedule == "async" else 1
-    episodes = min(r.max_concurrency, window * t.prompts_per_step * r.n_samples)
+    episodes = window * t.prompts_per_step * r.n_samples  # the admission rule's most groups in flight
+    if _set(r, "max_concurrency"):
+        episodes = min(r.max_concurrency, episodes)
     response = max_new_tokens if kind == "single" else min(cfg.tools.max_response_tokens, ctx - longest_prompt)
     return planner.Workload(episodes=episodes, group_size=r.n_samples, prompt_tokens=longest_prompt,
                             response_tokens=max(1, response))
@@ -553,7 +555,7 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
     def pick(section: Any, key: str, value: Any, why: str, *, user: bool | None = None) -> Any:
         user = _set(section, key) if user is None else user
         name = {id(cfg.server): "server", id(cfg.learner): "learner", id(cfg.manager): "manager",
-                id(cfg.sampling): "sampling"}[id(section)]
+                id(cfg.sampling): "sampling", id(cfg.rollout): "rollout"}[id(section)]
         derived.append(Derived(f"{name}.{key}", getattr(section, key) if user else value, why, user))
         return getattr(section, key) if user else value
 
@@ -566,7 +568,8 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
     setup = planner.LearnerSetup(
         nproc=lc.nproc, micro_batch_tokens=lc.micro_batch_tokens, gradient_checkpointing=lc.gradient_checkpointing,
         compile=lc.compile != "off", reference=cfg.algo.kl_coef > 0, logprob_chunk_tokens=lc.logprob_chunk_tokens,
-        sync_bucket_gib=0.0 if (sync_given or "tensor") == "disk" else lc.weight_sync_bucket_mb / 1024)
+        sync_bucket_gib=0.0 if (sync_given or ("tensor" if local else "disk")) == "disk"
+        else lc.weight_sync_bucket_mb / 1024)
     servers = planner.ServerSetup(
         count=local, gpus=s.gpus,
         mem_fraction_static=s.mem_fraction_static,  # None (unset or null): planned
@@ -584,9 +587,11 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
         pick(s, "mem_fraction_static", plan.mem_fraction_static,
              "weights + the KV of the episodes in flight, next to the learner" if plan.colocated
              else "SGLang's own sizing (the server has its GPU to itself)", user=s.mem_fraction_static is not None)
+        at_once = plan.episodes_per_server * local >= work.episodes
         pick(m, "max_inflight_per_server", plan.max_inflight_per_server,
-             "every episode in flight at once" if plan.episodes_per_server * local >= work.episodes
-             else "what the KV pool holds at once")
+             "every episode in flight at once" if at_once else "what the KV pool holds at once")
+        pick(cfg.rollout, "max_concurrency", min(work.episodes, plan.episodes_per_server * local),
+             "every episode the schedule keeps in flight" if at_once else "what the KV pools hold at once")
         if plan.weight_sync is not None:
             pick(lc, "weight_sync", plan.weight_sync, "CUDA IPC: colocated" if plan.weight_sync == "tensor"
                  else "broadcast to servers on other GPUs")

@@ -213,6 +213,8 @@ def test_on_a_gpu_the_unset_keys_are_sized_and_the_set_ones_kept(models, gsm8k):
     assert cfg.learner.weight_sync == "tensor"  # one GPU: colocated
     assert cfg.sampling.max_new_tokens == 4096  # min(4096, 32768 - the longest prompt)
     assert cfg.manager.max_inflight_per_server == p.max_inflight_per_server
+    # the async window's episodes (2 x 16 prompts x 4 samples) all in flight: the KV pool holds them
+    assert cfg.rollout.max_concurrency == 128 == p.max_inflight_per_server
     assert cfg.manager.request_timeout_s == 900  # set: kept
     shown = "\n".join(pre.lines())
     assert "manager.request_timeout_s        900.0      (set)" in shown
@@ -236,7 +238,7 @@ def test_on_cpu_nothing_is_derived(models, gsm8k):
     _, pre = prepare_train(cfg, dry_run=True)
     assert not pre.failed and pre.plan is None and pre.record == {}
     after = cfg.model_dump()
-    for section in ("server", "manager", "sampling"):
+    for section in ("server", "manager", "sampling", "rollout"):
         assert after[section] == before[section]
     assert after["learner"]["weight_sync"] == "disk" and after["learner"]["gpus"] is None
 
