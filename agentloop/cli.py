@@ -32,6 +32,7 @@ Exit codes: 0 done, 1 the run stopped early (e.g. every server died), 2 bad inpu
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -276,6 +277,9 @@ def _data_parsers(sub: Any) -> None:
     ck.add_argument("--max-problems", type=int, default=50, metavar="N", help="problems printed (0: all)")
     ck.add_argument("--plugin", action="append", default=[], metavar="P",
                     help="import first (registers rewards/tools the rows name); repeatable")
+    ck.add_argument("--tools-config", metavar="FILE",
+                    help="verl's tool config (tools.verl_tool_config): load it and say which tools each "
+                         "data_source's rows can call")
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -325,7 +329,7 @@ def _data_check(args: argparse.Namespace) -> int:
 
     for ref in args.plugin:
         load_plugin(ref)
-    report = check_file(args.file, prompt_key=args.prompt_key)
+    report = check_file(args.file, prompt_key=args.prompt_key, tools_config=args.tools_config)
     for line in format_report(report, args.file, limit=args.max_problems or None):
         print(line)
     return 1 if report.errors else 0
@@ -342,8 +346,45 @@ def _retriever_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Option strings (of the parser and all its subparsers) that take a value."""
+    out: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _value_options(sub)
+        elif action.option_strings and action.nargs != 0:
+            out.update(action.option_strings)
+    return out
+
+
+def overrides_last(argv: list[str], value_options: set[str]) -> list[str]:
+    """`key.sub=value` overrides moved behind the flags, so they may come anywhere on the line
+    (`agentloop rollout a.b=1 -n 2 c.d=3`): argparse takes a positional list only as one run of tokens.
+    A token right after an option that takes a value is that value, and stays."""
+    head: list[str] = []
+    tail: list[str] = []
+    takes_value = False
+    for tok in argv:
+        if takes_value:
+            head.append(tok)
+            takes_value = False
+        elif tok.startswith("-"):
+            head.append(tok)
+            takes_value = "=" not in tok and tok in value_options
+        elif _OVERRIDE.match(tok):
+            tail.append(tok)
+        else:
+            head.append(tok)
+    return head + tail
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(overrides_last(list(sys.argv[1:] if argv is None else argv), _value_options(parser)))
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
@@ -393,8 +434,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         if (run_dir / "traces.html").exists():
             print(f"  traces:  {run_dir / 'traces.html'} (tokens shaded by mask and logprob)")
         if result.stopped:
-            print(f"agentloop: the run stopped early: {result.stopped}; "
-                  f"{len(result.records)} records kept in {run_dir / 'records.jsonl'}", file=sys.stderr)
+            print(f"agentloop: the run stopped early: {result.stopped}; {len(result.records)} episodes ended, "
+                  f"{result.summary.get('not_started', 0)} never started; records: {run_dir / 'records.jsonl'}",
+                  file=sys.stderr)
             return 1
         return 0
     if args.command == "train" and args.dry_run:

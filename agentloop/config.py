@@ -218,6 +218,20 @@ class RewardConfig(Section):
     """The text `custom` receives as solution_str. response: the response decoded without special tokens
     (what verl's reward manager passes a custom compute_score); prompt_response: prompt + response with
     special tokens (TinyZero's and Search-R1's reward managers); loop: the loop's own response text."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Wall-clock limit of one reward call: a synchronous function from when a worker takes it, an async one
+    for its whole await (not the code reward, which has its own deadlines in `reward.code`). Past it the
+    episode scores `failure_score` (counted as `reward_timeouts`) and a process worker is killed and replaced."""
+    failure_score: float = 0.0
+    """Score of an episode whose reward raised, returned something unusable or ran past `timeout_s`
+    (counted as `reward_errors` / `reward_timeouts`): the lowest score your reward gives (0.0 for the
+    built-ins), so training treats a rejected output as the worst answer."""
+    workers: int = Field(default=4, ge=1)
+    """Processes (or threads) that run synchronous reward functions off the event loop."""
+    executor: Literal["process", "thread"] = "process"
+    """process: synchronous rewards run in worker processes (a looping one is killed at the deadline); a
+    reward a fresh process cannot import (a closure, lambda or object) runs on a thread, said once. thread:
+    every one runs on a thread (no start-up cost; a call past the deadline cannot be stopped)."""
     code: CodeRewardConfig = Field(default_factory=CodeRewardConfig)
     """Code reward (agentloop/code): pass_rate or all_or_nothing, time limits."""
     tools: ToolRewardConfig = Field(default_factory=ToolRewardConfig)

@@ -12,14 +12,38 @@
     │   ├── RetryBudgetExhausted   retries of one call ran out of time or attempts
     │   └── AllServersDownError    no healthy server left: the run must stop
     └── EpisodeError           an episode-level failure a loop raises on purpose
-        └── PromptTooLongError the prompt does not fit the context
+        ├── PromptTooLongError the prompt does not fit the context
+        └── EpisodeTimeout     the episode ran past rollout.episode_timeout_s (the engine's)
 
 Inside the engine, every exception raised by an episode becomes an error record
 (type + message), except AllServersDownError, which stops the run after the records
-already made are flushed.
+already made are flushed. A reward that raises or times out is not an error record: the
+episode scores `reward.failure_score`, counted (agentloop.rollout.scorer).
+
+Whose fault a failed episode is, for training (`failure_kind`, the one place that decides):
+    policy   the sampled output caused it: the episode ran past its timeout (too many turns, tool calls,
+             tokens). It stays in its GRPO group at `reward.failure_score`; a reward that rejected
+             the output (raised, timed out) already scored it so.
+    infra    anything else: a server aborted the request, the retry budget ran out, every server went
+             down, the loop or a plugin raised, the prompt does not fit, no reward applies. Its whole
+             group is left out of training (never a partial group).
 """
 
 from __future__ import annotations
+
+from typing import Literal
+
+FailureKind = Literal["ok", "policy", "infra"]
+
+POLICY_ERRORS = frozenset({"EpisodeTimeout"})
+"""Error types (the `Type` of a record's `Type: message`) that the sampled output caused."""
+
+
+def failure_kind(error: str | None, finish_reason: str) -> FailureKind:
+    """ok (a normal episode: any finish, length included), policy or infra; see the module doc."""
+    if error is None:
+        return "infra" if finish_reason == "abort" else "ok"
+    return "policy" if error.split(":", 1)[0].strip() in POLICY_ERRORS else "infra"
 
 
 class AgentLoopError(Exception):
@@ -77,3 +101,7 @@ class EpisodeError(AgentLoopError):
 
 class PromptTooLongError(EpisodeError):
     """The prompt (plus at least one new token) does not fit the model's context."""
+
+
+class EpisodeTimeout(EpisodeError):
+    """The episode ran past `rollout.episode_timeout_s`; the engine keeps the turns it finished."""

@@ -5,7 +5,8 @@
     AgentLoopOutput  one episode as a loop builds it; invariants checked on construction
     EpisodeRecord    AgentLoopOutput + identity and timing, one JSON line per episode
 
-A learner reads EpisodeRecord lines; `read_records` is the one reader.
+A learner reads EpisodeRecord lines; `read_records` is the one reader. `extra` must hold JSON data
+(`json_problem` names the first value that is not), so every record can be written.
 """
 
 from __future__ import annotations
@@ -17,6 +18,31 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def json_problem(value: Any, where: str = "extra") -> str | None:
+    """None when `value` is JSON data (dicts with str keys, lists/tuples, str, int, float, bool, None),
+    else where it stops being so, e.g. "extra['tools'][2] is a set, not JSON data". Sets are refused
+    too: their order is not stable, so a record holding one would not be reproducible."""
+    if isinstance(value, _JSON_SCALARS):
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{where} has the non-string key {k!r} ({type(k).__name__}); JSON keys are strings"
+            bad = json_problem(v, f"{where}[{k!r}]")
+            if bad:
+                return bad
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            bad = json_problem(v, f"{where}[{i}]")
+            if bad:
+                return bad
+        return None
+    return f"{where} is a {type(value).__name__}, not JSON data (str, number, bool, None, list or dict)"
 
 
 class Record(BaseModel):
@@ -149,6 +175,9 @@ class AgentLoopOutput(Record):
             for i, (m, v) in enumerate(zip(self.response_mask, self.token_versions)):
                 if m == 0 and v is not None:
                     raise ValueError(f"token_versions[{i}] = {v!r} for a mask-0 token; it must be None")
+        bad = json_problem(self.extra)
+        if bad:
+            raise ValueError(bad)
         return self
 
     @property

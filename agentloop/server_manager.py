@@ -9,7 +9,10 @@ Map:
                                they serve the expected weights (probe that runs the scheduler, then
                                /model_info's weight_version; a resync hook can reload the weights)
     pause/resume/abort_all/flush_cache/update_weights_from_disk/mark_updated
-                               admin calls broadcast to the servers (updates also reach stale ones)
+                               admin calls broadcast to the servers (updates also reach stale ones); a
+                               server that fails one is ejected and the rest go on; servers paused
+                               when the manager closes are sent a continue (a run that dies never
+                               leaves --server-url servers paused)
     finish_update              after an update, before resume: the flush the interrupt mode needs
                                (agentloop.interrupt), with a fallback where a server refuses it
     gauges                     `server/...` numbers for progress lines and metrics
@@ -198,11 +201,13 @@ class ServerManager:
         self._pause_mode: str | None = None
         self._interrupts = 0  # abort-mode pauses so far: an abort seen across one is an interrupt
         self._pauses = 0  # pauses of any mode so far
+        self._paused: set[int] = set()  # servers sent a pause since the last resume
+        self._needs_continue: set[int] = set()  # ejected after failing a pause/continue: continue them first
         self._latencies: deque[float] = deque(maxlen=4096)
         self._stats = {"requests": 0, "retries": 0, "errors": 0, "timeouts": 0, "ejections": 0,
                        "readmissions": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
                        "interrupted_calls": 0, "continued_calls": 0, "stale_servers": 0, "resyncs": 0,
-                       "cancelled_calls": 0, "dropped_connections": 0, "flushes_refused": 0}
+                       "cancelled_calls": 0, "dropped_connections": 0, "flushes_refused": 0, "admin_failures": 0}
         self._down_since: float | None = None
         self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
@@ -229,6 +234,11 @@ class ServerManager:
 
     async def close(self) -> None:
         self._closed = True
+        if self._paused and self._session is not None:
+            # The run is ending while servers are paused (an exception, Ctrl-C, the learner's death):
+            # servers we did not launch (--server-url) would stay paused for whoever uses them next.
+            await self._continue_quietly(sorted(self._paused))
+            self._paused.clear()
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
@@ -546,6 +556,8 @@ class ServerManager:
     async def _try_readmit(self, idx: int) -> None:
         """An ejected server: a probe through its scheduler, then its version; resync when stale."""
         url = self.urls[idx]
+        if idx in self._needs_continue:  # it failed a pause or continue: it may still be paused
+            await self._continue_quietly([idx])
         if await self._get_ok(url, "/health_generate", self.cfg.health_timeout_s + 20.0) is None:
             self.router.record_failure(idx)
             return
@@ -634,28 +646,67 @@ class ServerManager:
 
     async def _broadcast(self, path: str, payload: dict[str, Any] | None = None, *,
                          idxs: list[int] | None = None) -> list[Any]:
+        """POST an admin call to every admitted server (or `idxs`); the answers of those that took it.
+
+        A server that fails it is ejected and the others go on: the health loop brings it back once it
+        answers a probe through its scheduler and serves the expected weights (reloaded first when stale);
+        one that failed a pause or a continue is sent a continue before that probe, since a paused SGLang
+        parks probes. Only when every server fails is it an error (ServerError)."""
         if idxs is None:
             idxs = [i for i, s in enumerate(self.router.servers) if s.healthy]
         results = await asyncio.gather(*(self._admin_post(self.urls[i], path, payload) for i in idxs),
                                        return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise ServerError(f"{path} failed on {len(errors)}/{len(idxs)} server(s): {errors[0]}")
-        return list(results)
+        failed = [(i, r) for i, r in zip(idxs, results) if isinstance(r, BaseException)]
+        if failed and len(failed) == len(idxs):
+            raise ServerError(f"{path} failed on {len(failed)}/{len(idxs)} server(s): {failed[0][1]}")
+        for i, err in failed:
+            if path in ("/pause_generation", "/continue_generation"):
+                self._needs_continue.add(i)
+            if self.router.servers[i].healthy:
+                self.router.eject(i)
+                self._stats["ejections"] += 1
+            self._stats["admin_failures"] += 1
+            self._say(f"server {self.urls[i]} failed {path} ({err}); ejected until it answers again "
+                      f"({self.router.healthy_count}/{len(self.urls)} healthy)")
+        if failed:
+            self._changed.set()
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def _continue_quietly(self, idxs: list[int]) -> None:
+        """Best effort, short timeout: servers we may have left paused go on generating."""
+        async def one(i: int) -> None:
+            try:
+                await self._admin_post(self.urls[i], "/continue_generation", {}, timeout=self.cfg.health_timeout_s)
+                self._needs_continue.discard(i)
+            except Exception:  # noqa: BLE001 - best effort: the server may be gone, or the run ending
+                pass
+
+        await asyncio.gather(*(one(i) for i in idxs))
 
     async def pause(self, mode: str = "in_place") -> None:
         """Stop admitting new requests and pause generation on every admitted server.
 
         mode: "in_place" keeps in-flight requests (resumed by `resume`), "abort" aborts them (calls of
         `generate` continue themselves after `resume`), "retract" lets the server requeue them.
+        A server that fails the pause is ejected (see `_broadcast`); when every one fails, none is left
+        paused (each is sent a continue) and ServerError is raised.
         """
         self._unpaused.clear()
         self._pause_mode = mode
         self._pauses += 1
-        if mode == "abort":
-            self._interrupts += 1
-            await self._abort_and_drain()
-        await self._broadcast("/pause_generation", {"mode": mode})
+        targets = [i for i, s in enumerate(self.router.servers) if s.healthy]
+        self._paused.update(targets)  # remembered until resumed: `close` continues them whatever happens
+        try:
+            if mode == "abort":
+                self._interrupts += 1
+                await self._abort_and_drain()
+            await self._broadcast("/pause_generation", {"mode": mode}, idxs=targets)
+        except BaseException:
+            await self._continue_quietly(sorted(self._paused))
+            self._paused.clear()
+            self._unpaused.set()
+            self._changed.set()
+            raise
 
     async def _abort_and_drain(self, rounds: int = 4, wait_s: float = 0.25) -> None:
         """Abort what runs and wait for those calls to come back, before an abort-mode pause.
@@ -686,9 +737,13 @@ class ServerManager:
                     pass
 
     async def resume(self) -> None:
+        """Continue generation on every admitted server and on every one paused since the last resume.
+        A server that fails it is ejected (see `_broadcast`); ServerError only when every one fails."""
+        targets = sorted({i for i, s in enumerate(self.router.servers) if s.healthy} | self._paused)
         try:
-            await self._broadcast("/continue_generation", {})
+            await self._broadcast("/continue_generation", {}, idxs=targets)
         finally:
+            self._paused.clear()
             self._unpaused.set()
             self._changed.set()
 

@@ -235,10 +235,10 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
 
     seq = bench.prompt_tokens + bench.response_tokens - 1
     seq_lens = [seq] * bench.sequences
-    from agentloop.train.learner import old_logprob_pass
+    from agentloop.train.learner import needs_reference, old_logprob_pass
 
     interpolate = algo.old_logprobs == "recompute" and algo.proximal == "interpolate"
-    fwd_passes = int(old_logprob_pass(algo, cfg) and not interpolate) + int(algo.kl_coef > 0)
+    fwd_passes = int(old_logprob_pass(algo, cfg) and not interpolate) + int(needs_reference(algo))
     # FLOPs of the rows the learner ran: with shared prompts (learner.share_prompt) a row holds a
     # prompt once and several responses, so the work is less than per-episode rows would need.
     computed = mean_of("batch/computed_tokens")

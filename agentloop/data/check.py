@@ -10,7 +10,10 @@ Errors make a row unusable or silently wrong; warnings name things that work dif
     ground truth    by data_source: openai/gsm8k a string that verl's rule can match (`#### <gt>` scores 1;
                     an int or "1,234" never does); countdown {target: int, numbers: [int]}; Search-R1's
                     names {target: [str]}; MATH names a string; agentloop/code {"tests": [...]} (or its JSON)
-    tools           tools_kwargs names registered tools (warning: a plugin may register them later)
+    tools           tools_kwargs names registered tools or tools of the verl tool config given with
+                    --tools-config (warning: a plugin may register them later); verl's searchR1_* rows without
+                    verl's search tool config are named; `tools` says per data_source which tools its rows
+                    are offered (a verl config's tools: every row) and which their tools_kwargs name
     verl only       a top-level agent_name (verl picks the loop per row; here rollout.loop picks it per run)
 
     check_rows / check_file   -> CheckReport (problems, rows, data sources); format_report -> text lines
@@ -52,6 +55,11 @@ class CheckReport(BaseModel):
     """Every problem, in file order."""
     data_sources: dict[str, int] = Field(default_factory=dict)
     """Rows per data_source."""
+    tools: dict[str, dict[str, int]] = Field(default_factory=dict)
+    """Per data_source: tool name -> rows that can call it (the verl tool config's tools: every row; other
+    tools: rows whose tools_kwargs name them)."""
+    verl_tools: list[str] = Field(default_factory=list)
+    """The verl tool config's tools, one line each (name, class, implementation), when one was given."""
 
     @property
     def errors(self) -> int:
@@ -133,10 +141,23 @@ class Unreadable:
         self.reason = reason
 
 
-def check_row(row: Any, where: str, prompt_key: str = "prompt") -> tuple[str | None, list[Problem]]:
-    """(data_source or None, problems) of one row."""
+def _tools_kwargs(row: Any) -> dict | None:
+    if not isinstance(row, dict):
+        return None
+    kw = row.get("tools_kwargs")
+    extra = row.get("extra_info")
+    if kw is None and isinstance(extra, dict):
+        kw = extra.get("tools_kwargs")
+    return kw if isinstance(kw, dict) else None
+
+
+def check_row(row: Any, where: str, prompt_key: str = "prompt",
+              verl_tools: Iterable[str] = ()) -> tuple[str | None, list[Problem]]:
+    """(data_source or None, problems) of one row; `verl_tools`: the names of a verl tool config's tools."""
     from agentloop.rewards import list_rewards
     from agentloop.tools import list_tools
+
+    verl_tools = set(verl_tools)
 
     out: list[Problem] = []
 
@@ -182,13 +203,22 @@ def check_row(row: Any, where: str, prompt_key: str = "prompt") -> tuple[str | N
         if not isinstance(tools_kwargs, dict):
             err(f"tools_kwargs must be a dict keyed by tool name, got {type(tools_kwargs).__name__}")
         else:
-            known = set(list_tools())
+            known = set(list_tools()) | verl_tools
             for name, kw in tools_kwargs.items():
                 if kw is not None and not isinstance(kw, dict):
                     err(f"tools_kwargs[{name!r}] must be a dict, got {type(kw).__name__}")
                 elif kw is not None and name not in known:
                     warn(f"tools_kwargs names tool {name!r}, which is not registered (registered: {sorted(known)}); "
                          "register it in a plugin or load it with tools.verl_tool_config")
+                elif name in verl_tools and kw and not isinstance(kw.get("create_kwargs"), dict):
+                    warn(f"tools_kwargs[{name!r}] has no 'create_kwargs' dict: verl (and agentloop with a verl tool "
+                         "config) passes only tools_kwargs[name]['create_kwargs'] to the tool's create(), so it "
+                         "gets {}")
+            if (isinstance(ds, str) and ds.startswith("searchR1_") and "search" in tools_kwargs
+                    and "search" not in verl_tools):
+                warn("a searchR1_* row calls verl's `search` tool (argument query_list); without verl's search tool "
+                     "config (--tools-config / tools.verl_tool_config) it binds to agentloop's built-in `search` "
+                     "(argument query), which refuses verl's calls")
     elif extra and extra.get("need_tools_kwargs"):
         warn("extra_info.need_tools_kwargs is true but the row has no tools_kwargs")
     agent = row.get("agent_name")
@@ -212,22 +242,31 @@ def check_row(row: Any, where: str, prompt_key: str = "prompt") -> tuple[str | N
     return ds, out
 
 
-def check_rows(rows: Iterable[tuple[str, Any]], prompt_key: str = "prompt") -> CheckReport:
-    """Check (where, row) pairs."""
+def check_rows(rows: Iterable[tuple[str, Any]], prompt_key: str = "prompt",
+               verl_tools: Iterable[str] = ()) -> CheckReport:
+    """Check (where, row) pairs; `verl_tools`: a verl tool config's tool names (offered to every row)."""
     report = CheckReport()
+    verl_tools = list(verl_tools)
     sources: Counter[str] = Counter()
+    callable_by: dict[str, Counter[str]] = {}
     for where, row in rows:
         report.rows += 1
-        ds, problems = check_row(row, where, prompt_key)
+        ds, problems = check_row(row, where, prompt_key, verl_tools)
         if ds:
             sources[ds] += 1
+            kw = _tools_kwargs(row) or {}
+            names = verl_tools + [n for n in kw if n not in verl_tools]
+            if names:
+                callable_by.setdefault(ds, Counter()).update(names)
         report.problems.extend(problems)
     report.data_sources = dict(sources)
+    report.tools = {ds: dict(c) for ds, c in callable_by.items()}
     return report
 
 
-def check_file(path: str | Path, prompt_key: str = "prompt") -> CheckReport:
-    """Check every row of a verl .jsonl / .parquet file (an unreadable line is reported and skipped)."""
+def check_file(path: str | Path, prompt_key: str = "prompt", tools_config: str | Path | None = None) -> CheckReport:
+    """Check every row of a verl .jsonl / .parquet file (an unreadable line is reported and skipped);
+    `tools_config`: verl's tool config file (loaded as `tools.verl_tool_config` loads it)."""
     from agentloop.data.loader import (
         JSONL_SUFFIXES,
         PARQUET_SUFFIXES,
@@ -238,13 +277,23 @@ def check_file(path: str | Path, prompt_key: str = "prompt") -> CheckReport:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: data file does not exist")
+    entries = []
+    if tools_config is not None:
+        from agentloop.tools.verl_tools import verl_tool_entries
+
+        entries = verl_tool_entries(tools_config)
+    names = [e.name for e in entries]
     suffix = p.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        report = check_rows(_jsonl_rows_tolerant(p), prompt_key)
+        report = check_rows(_jsonl_rows_tolerant(p), prompt_key, names)
     elif suffix in PARQUET_SUFFIXES:
-        report = check_rows(((w, to_plain(r)) for w, r in read_parquet_rows(p)), prompt_key)
+        report = check_rows(((w, to_plain(r)) for w, r in read_parquet_rows(p)), prompt_key, names)
     else:
         raise DataError(f"{p}: unknown extension {p.suffix!r}; expected .jsonl or .parquet")
+    report.verl_tools = [
+        f"{e.name}: {e.class_name}" + ("" if e.implementation == e.class_name else
+                                       f" (verl is not installed: agentloop's port {e.implementation})")
+        for e in entries]
     if report.rows == 0:
         report.problems.append(Problem(where=str(p), level="error", message="no rows"))
     return report
@@ -269,10 +318,17 @@ def _jsonl_rows_tolerant(p: Path):
 
 
 def format_report(report: CheckReport, path: str, limit: int | None = 50) -> list[str]:
-    """Human-readable lines: each problem (up to `limit`), then a summary."""
+    """Human-readable lines: each problem (up to `limit`), the tools each data_source's rows can call, then a
+    summary line."""
     lines = [f"{p.where}: {p.level}: {p.message}" for p in report.problems[:limit]]
     if limit is not None and len(report.problems) > limit:
         lines.append(f"... {len(report.problems) - limit} more problems (--max-problems 0 shows all)")
+    if report.verl_tools:
+        lines.append("verl tool config, offered to every row: " + "; ".join(report.verl_tools))
+    for ds, tools in report.tools.items():
+        n = report.data_sources.get(ds, 0)
+        said = ", ".join(f"{t} ({c} of {n} rows)" if c != n else f"{t} (all {n} rows)" for t, c in tools.items())
+        lines.append(f"  {ds}: rows can call {said}")
     bad_rows = len({p.where for p in report.problems if p.level == "error"})
     lines.append(f"{path}: {report.rows} rows, {report.errors} errors in {bad_rows} rows, {report.warnings} warnings; "
                  f"data sources: {report.data_sources}")

@@ -2,6 +2,8 @@
 
     AgentLoopBase        constructed per episode by the engine; write `async run(sample, sampling_params)`
     TrajectoryBuilder    accumulates response tokens with masks/logprobs where they are made
+    watch_trajectories   the engine's hook: the builders an episode makes, so one cut by its timeout
+                         still has the turns it finished
 
 A loop talks to servers only through `self.generate(...)` (token ids in, token ids out),
 so everything it returns is exactly what the model sampled or what the environment added.
@@ -12,6 +14,7 @@ text, so a control token's string in it (say "<|im_end|>") can never become the 
 
 from __future__ import annotations
 
+import contextvars
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,6 +25,20 @@ from agentloop.records import AgentLoopOutput, Sample, TokenOutput
 
 if TYPE_CHECKING:
     from agentloop.server_manager import ServerManager
+
+
+_WATCHED: contextvars.ContextVar[list["TrajectoryBuilder"] | None] = contextvars.ContextVar(
+    "agentloop_trajectories", default=None)
+
+
+def watch_trajectories() -> list["TrajectoryBuilder"]:
+    """From now on, every TrajectoryBuilder made in this task (and in tasks it starts) is appended to the
+    returned list. The engine calls it per episode: when the episode's timeout cancels the loop, the
+    last builder holds the turns it finished (whole generate calls and environment tokens), which are
+    trained at the failure score rather than lost."""
+    built: list[TrajectoryBuilder] = []
+    _WATCHED.set(built)
+    return built
 
 
 class TrajectoryBuilder:
@@ -42,6 +59,9 @@ class TrajectoryBuilder:
         self.token_versions: list[int | None] = []
         self.interrupted_calls = 0
         self.num_turns = 0
+        watched = _WATCHED.get()
+        if watched is not None:
+            watched.append(self)
 
     def add_model(self, out: TokenOutput) -> None:
         self.response_ids.extend(out.token_ids)
@@ -59,14 +79,15 @@ class TrajectoryBuilder:
         self.response_logprobs.extend([0.0] * len(token_ids))
         self.token_versions.extend([None] * len(token_ids))
 
-    def next_turn(self, per_turn: int, max_response_tokens: int, context_length: int) -> tuple[int, str]:
+    def next_turn(self, per_turn: int | None, max_response_tokens: int, context_length: int) -> tuple[int, str]:
         """How many tokens the next generation may make, and the limit that binds it ("length" |
-        "token_budget" | "context"). (0, limit) when nothing is left: the limit is then the finish reason."""
+        "token_budget" | "context"); `per_turn` None: no cap of its own (what is left of the budget and the
+        context, verl's rule). (0, limit) when nothing is left: the limit is then the finish reason."""
         left = max_response_tokens - len(self.response_ids)
         room = context_length - len(self.all_ids)
         if left < 1 or room < 1:
             return 0, "token_budget" if left < 1 else "context"
-        want = min(per_turn, left, room)
+        want = min(left, room) if per_turn is None else min(per_turn, left, room)
         return want, "length" if want == per_turn else ("token_budget" if want == left else "context")
 
     def env_limit(self, token_ids: list[int], max_response_tokens: int, context_length: int) -> str | None:

@@ -33,8 +33,15 @@ Each turn asks for min(per-turn cap, what is left of the budget, what is left of
 
 Simplifications: when a turn holds both well-formed and malformed calls, results are given in the order
 "well-formed calls, then one error per malformed call"; calls beyond tools.max_tool_calls_per_turn get
-an error message instead of running. Tool-side rewards and the excess-call penalty are reported in
-`extra` and `metrics`; the engine decides the final reward.
+an error message instead of running, or nothing (tools.excess_calls=drop, the default with a verl tool
+config). Tool-side rewards and the excess-call penalty are reported in `extra` and `metrics`; the engine
+decides the final reward.
+
+A verl tool config (tools.verl_tool_config) is driven as verl's tool agent loop drives it: its tools are
+offered to every row, get `tools_kwargs[name].create_kwargs` and the model's arguments unchecked, excess
+calls are dropped silently, and each call's step reward is kept in the trace (`step_reward`, which the
+scorer lists as verl's `extra_info["tool_rewards"]`). Per-turn length: with tools.max_tokens_per_turn unset
+each turn may use all that is left of tools.max_response_tokens, verl's only cap.
 """
 
 from __future__ import annotations
@@ -90,11 +97,20 @@ class ToolAgentLoop(AgentLoopBase):
         return template_info(self._render, check=self.tools_config.check_template, cache_key=key)
 
     def _episode_tools(self, sample: Sample) -> tuple[dict[str, BaseTool], dict[str, dict[str, Any]]]:
+        """The episode's tools and each one's create kwargs. A verl tool config's tools come first, offered to
+        every row and ahead of a registered tool of the same name (verl's rule); then tools.names and the
+        row's tools_kwargs keys."""
         cfg = self.tools_config
         kwargs = sample.tools_kwargs or sample.extra_info.get("tools_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ConfigError(f"tools_kwargs of row {sample.index} must be a mapping, got {type(kwargs).__name__}")
-        names = list(cfg.names) + [n for n in kwargs if n not in cfg.names]
+        verl: dict[str, type[BaseTool]] = {}
+        if cfg.verl_tool_config:
+            from agentloop.tools.verl_tools import verl_tool_classes
+
+            verl = verl_tool_classes(cfg.verl_tool_config)
+        names = list(verl) + [n for n in cfg.names if n not in verl]
+        names += [n for n in kwargs if n not in names]
         tools: dict[str, BaseTool] = {}
         for n in names:
             given = self.tools.get(n)
@@ -103,14 +119,17 @@ class ToolAgentLoop(AgentLoopBase):
             elif isinstance(given, type) and issubclass(given, BaseTool):
                 tool = given(cfg)
             else:
-                tool = get_tool(n)(cfg)
+                tool = (verl.get(n) or get_tool(n))(cfg)
             tools[tool.name] = tool
         per_tool = {}
         for n, tool in tools.items():
             kw = kwargs.get(n) or {}
             if not isinstance(kw, dict):
                 raise ConfigError(f"tools_kwargs[{n!r}] of row {sample.index} must be a mapping")
-            per_tool[n] = kw.get("create_kwargs", kw) if isinstance(kw.get("create_kwargs"), dict) else kw
+            if tool.verl_style:
+                per_tool[n] = kw.get("create_kwargs") or {}  # verl: tools_kwargs[name].get("create_kwargs", {})
+            else:
+                per_tool[n] = kw.get("create_kwargs", kw) if isinstance(kw.get("create_kwargs"), dict) else kw
         return tools, per_tool
 
     # ------------------------------------------------------------ the episode
@@ -130,7 +149,7 @@ class ToolAgentLoop(AgentLoopBase):
         c = _Counters()
         trace: list[dict[str, Any]] = []
         instances: dict[str, Any] = {}
-        per_turn = cfg.max_tokens_per_turn or sampling_params.max_new_tokens
+        per_turn = cfg.max_tokens_per_turn  # None: what is left of the response budget (verl's rule)
         finish = "stop"
         extra: dict[str, Any] = {}
         try:
@@ -221,6 +240,7 @@ class ToolAgentLoop(AgentLoopBase):
         sem = asyncio.Semaphore(cfg.max_parallel_calls)
         run = parsed.calls[:cfg.max_tool_calls_per_turn]
         dropped = parsed.calls[cfg.max_tool_calls_per_turn:]
+        excess = cfg.excess_calls or ("drop" if cfg.verl_tool_config else "message")
 
         async def one(call: ToolCall) -> tuple[str, ToolResponse, float, str]:
             tool = tools.get(call.name)
@@ -263,10 +283,16 @@ class ToolAgentLoop(AgentLoopBase):
                 c.add(f"tool/{name}/{k}", float(v))
             text = self._truncate(resp.text, c)
             msgs.append({"role": "tool", "name": name, "content": text})
+            # step_reward: a verl tool's per-call reward (0.0 for every other call, as verl lists a failed one)
             trace.append({"turn": turn, "name": name, "arguments": call.arguments, "status": kind,
-                          "error": resp.error, "time_s": round(dt, 4), "text": text[:200]})
+                          "error": resp.error, "time_s": round(dt, 4), "text": text[:200],
+                          "step_reward": float(resp.metrics.get("step_reward", 0.0))})
         for call in dropped:
             c.add("dropped_calls")
+            if excess == "drop":
+                trace.append({"turn": turn, "name": call.name, "arguments": call.arguments, "status": "dropped",
+                              "error": "dropped", "time_s": 0.0, "text": ""})
+                continue
             text = (f"error: too many tool calls in one turn (limit {cfg.max_tool_calls_per_turn}); "
                     f"this call to {call.name} was not run")
             msgs.append({"role": "tool", "name": call.name, "content": text})

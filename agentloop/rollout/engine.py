@@ -6,7 +6,9 @@ Map:
     RolloutEngine.run      a wrapper that submits every sample's group to a GroupStream and collects
                            the records: the eval path and the synchronous schedule
     _run_episode           build the loop, seed it, run it under a timeout, score it; any exception
-                           becomes an error record (AllServersDownError also stops the run)
+                           becomes an error record (AllServersDownError also stops the run); a timed-out
+                           episode keeps the turns it finished; a reward that raises or times out scores
+                           reward.failure_score (counted in the record's metrics)
     RolloutResult          the records plus summary numbers (reward, pass@k, tokens/s, errors, lag)
 Scoring lives in `scorer.py`, the summary numbers in `summary.py`, the progress line in report.progress.
 Every episode, whichever path runs it, holds one of the engine's `rollout.max_concurrency` slots.
@@ -16,7 +18,9 @@ or error), or is counted in `not_started` when the run stops early because every
 Records are passed to `on_record` (the writer) as soon as they exist, so a stopped run keeps them.
 `GroupStream`: every submitted group comes out of `next()` exactly once, complete (one record per
 episode, results and error records) or cancelled (with the reason, its episodes counted, none of its
-records kept). An episode that ended by a server abort is kept with finish_reason "abort" and no
+records kept), whatever fails: an exception no record can hold (the record sink failed, e.g. a full
+disk) stops the stream with that reason (`stopped`), and every group still comes out, so `run()` and
+`close()` always return. An episode that ended by a server abort is kept with finish_reason "abort" and no
 reward: it is not scored, and training leaves it out (counted).
 """
 
@@ -28,16 +32,17 @@ import sys
 import time
 from typing import Any, Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentloop.config import Config, SamplingParams, derive_seed
-from agentloop.errors import AllServersDownError, RewardError
-from agentloop.loops.base import AgentLoopBase
-from agentloop.records import AgentLoopOutput, EpisodeRecord, Sample
+from agentloop.errors import AgentLoopError, AllServersDownError, EpisodeTimeout, RewardError
+from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder, watch_trajectories
+from agentloop.records import AgentLoopOutput, EpisodeRecord, Sample, json_problem
 from agentloop.report.progress import emit, progress_line
+from agentloop.rewards.pool import RewardTimeout
 from agentloop.rewards.tool_aware import combine_tool_reward
 from agentloop.rollout.looplag import LoopLagMonitor
-from agentloop.rollout.scorer import Scorer
+from agentloop.rollout.scorer import Scorer, reward_extra_info
 from agentloop.rollout.summary import summarize
 from agentloop.server_manager import ServerManager
 
@@ -186,6 +191,7 @@ class RolloutEngine:
     async def _run_episode_inner(self, sample: Sample, step: int | None) -> EpisodeRecord:
         t0 = time.monotonic()
         sp = self.sampling_params(sample)
+        built = watch_trajectories()  # this episode's task only: each episode runs in its own task
         try:
             loop = self.loop_cls(server_manager=self.sm, tokenizer=self.tokenizer, config=self.cfg,
                                  **self.loop_kwargs)
@@ -196,25 +202,42 @@ class RolloutEngine:
         except AllServersDownError:
             raise
         except asyncio.TimeoutError:
-            return self._error_record(sample, TimeoutError(
-                f"episode exceeded rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s}"), step,
-                time.monotonic() - t0)
+            return self._timeout_record(sample, built, step, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - an episode's failure becomes data, never a crash
             return self._error_record(sample, e, step, time.monotonic() - t0)
         finally:
             self.sm.end_episode(sample.episode_id)
+        try:
+            return await self._scored_record(sample, sp, out, step, t0)
+        except Exception as e:  # noqa: BLE001 - e.g. a plugin's non-JSON `extra`: the record names the key
+            return self._error_record(sample, e, step, time.monotonic() - t0)
+
+    async def _scored_record(self, sample: Sample, sp: SamplingParams, out: AgentLoopOutput, step: int | None,
+                             t0: float) -> EpisodeRecord:
+        """The loop's output scored (unless it failed, was aborted or scored itself) as an EpisodeRecord.
+        A reward that raises or times out scores `reward.failure_score`, counted in the record's metrics
+        (`reward_errors` / `reward_timeouts`) and named in `reward_info["reward_error"]`."""
+        bad = json_problem(out.extra)  # a loop may have changed `extra` after building its output
+        if bad:
+            raise ValueError(f"{self.loop_cls.__name__} returned {bad}")
         reward, info = out.reward, {}
         error = out.error
         if error is None and reward is None and out.finish_reason != "abort":
             t_score = time.monotonic()
             try:
-                reward, info = await self.scorer.score(sample, self.scorer.solution_text(sample, out, self.tokenizer))
-                reward, tool_info = combine_tool_reward(reward, out.extra, self.cfg.reward.tools)
-                info = {**info, **tool_info}
-            except RewardError as e:
+                text = self.scorer.solution_text(sample, out, self.tokenizer)
+            except RewardError as e:  # nothing scores this data source: no fault of the output
                 error = f"RewardError: {e}"
-            except Exception as e:  # noqa: BLE001
-                error = f"RewardError: {type(e).__name__}: {e}"
+            else:
+                try:
+                    reward, info = await self.scorer.score(sample, text, reward_extra_info(sample, out))
+                    reward, tool_info = combine_tool_reward(reward, out.extra, self.cfg.reward.tools)
+                    info = {**info, **tool_info}
+                except Exception as e:  # noqa: BLE001 - the reward rejected the output: the lowest score
+                    kind = "reward_timeouts" if isinstance(e, RewardTimeout) else "reward_errors"
+                    out.metrics[kind] = 1.0
+                    reward = self.cfg.reward.failure_score
+                    info = {"reward_error": f"{type(e).__name__}: {e}"}
             # summed per step by `agentloop train` (time/reward_s): scoring runs inside the rollout phase
             out.metrics["reward_time_s"] = time.monotonic() - t_score
         return EpisodeRecord(
@@ -225,10 +248,30 @@ class RolloutEngine:
             ground_truth=sample.ground_truth, wall_s=time.monotonic() - t0, step=step,
         )
 
-    def _error_record(self, sample: Sample, e: BaseException, step: int | None, wall: float) -> EpisodeRecord:
+    def _timeout_record(self, sample: Sample, built: list[TrajectoryBuilder], step: int | None,
+                        wall: float) -> EpisodeRecord:
+        """An episode cut by `rollout.episode_timeout_s`: an error record (EpisodeTimeout) that keeps the
+        turns the loop finished, when it built them with a TrajectoryBuilder; training scores it at
+        `reward.failure_score` (agentloop.errors.failure_kind)."""
+        e = EpisodeTimeout(f"episode exceeded rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s:g}")
+        if built and built[-1].prompt_ids:
+            try:
+                partial = built[-1].build(finish_reason="timeout", error=f"EpisodeTimeout: {e}")
+            except ValueError:  # a builder the loop left inconsistent: keep the failure, not its tokens
+                partial = None
+            if partial is not None:
+                return EpisodeRecord(
+                    **partial.model_dump(), episode_id=sample.episode_id, index=sample.index, uid=sample.uid,
+                    repeat=sample.repeat, data_source=sample.data_source,
+                    loop=self.loop_cls.name or self.loop_cls.__name__, seed=self.sampling_params(sample).seed or 0,
+                    ground_truth=sample.ground_truth, wall_s=wall, step=step)
+        return self._error_record(sample, e, step, wall, finish_reason="timeout")
+
+    def _error_record(self, sample: Sample, e: BaseException, step: int | None, wall: float, *,
+                      finish_reason: str = "error") -> EpisodeRecord:
         return EpisodeRecord(
             prompt_ids=[], response_ids=[], response_mask=[], response_logprobs=[], num_turns=0,
-            finish_reason="error", error=f"{type(e).__name__}: {e}",
+            finish_reason=finish_reason, error=f"{type(e).__name__}: {_describe(e)}",
             episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
             data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__,
             seed=self.sampling_params(sample).seed or 0, ground_truth=sample.ground_truth, wall_s=wall, step=step,
@@ -253,6 +296,15 @@ class RolloutEngine:
                   f"reward {sum(rewards) / len(rewards) if rewards else float('nan'):.3f}",
                   f"lag p99 {lag['loop/lag_p99_ms']:.1f}ms"]
         emit(progress_line(done, total, "episodes", fields, elapsed_s=wall), self.progress_stream)
+
+
+def _describe(e: BaseException) -> str:
+    """An exception's message for a record; a pydantic ValidationError (a loop building a bad output) as
+    its errors' messages only, without the input it echoes (a whole `extra` can be long)."""
+    if isinstance(e, ValidationError):
+        return "; ".join((f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"]
+                         for err in e.errors(include_url=False, include_input=False))
+    return str(e)
 
 
 class GroupStream:
@@ -281,7 +333,8 @@ class GroupStream:
         self._cancel_reason: dict[int, str] = {}
         self._done: asyncio.Queue[GroupOutcome] = asyncio.Queue()
         self.stopped: str | None = None
-        """Set when every server went down: the stream cancels what is left and takes no more."""
+        """Why nothing more can finish (every server went down, the record sink failed): the stream cancels
+        what is left and takes no more."""
         self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "episodes_cancelled": 0}
 
     @property
@@ -307,7 +360,7 @@ class GroupStream:
         if uid in self._tasks:
             raise ValueError(f"group {uid} is already in this stream")
         if self.stopped:
-            raise AllServersDownError(self.stopped)
+            raise AgentLoopError(f"the group stream stopped: {self.stopped}")
         self._samples[uid] = sample
         self._sizes[uid] = n
         self._versions[uid] = self.engine.sm.expected_version
@@ -346,42 +399,61 @@ class GroupStream:
     async def close(self) -> None:
         await self.cancel_all("stream closed")
 
+    def _stop(self, reason: str, but: int | None = None) -> None:
+        """Nothing more can finish (every server is down, records cannot be written): cancel every other
+        group, take no new ones."""
+        if self.stopped:
+            return
+        self.stopped = reason
+        for other in list(self._tasks):
+            if other != but:
+                self.cancel(other, reason)
+
     async def _group(self, uid: int, sample: Sample, n: int) -> None:
         eps = [asyncio.create_task(self._episode(uid, sample.with_repeat(r)), name=f"episode-{uid}-{r}")
                for r in range(n)]
-        outcome: GroupOutcome
+        outcome: GroupOutcome | None = None
         try:
             records = await asyncio.gather(*eps)
             outcome = GroupOutcome(sample=sample, records=list(records), n=n, submitted_version=self._versions[uid])
             self.counts["completed"] += 1
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Exception) as e:
+            # Cancelled, or a failure no record can hold (the record sink failed): the group comes out
+            # cancelled, with the reason, whatever happens to its other episodes.
+            why = None if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"
+            outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
+                                   cancelled=self._cancel_reason.get(uid) or self.stopped or why or "cancelled")
+            self.counts["cancelled"] += 1
+            self.counts["episodes_cancelled"] += n
             for t in eps:
                 t.cancel()
             await asyncio.gather(*eps, return_exceptions=True)
-            outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
-                                   cancelled=self._cancel_reason.get(uid) or self.stopped or "cancelled")
-            self.counts["cancelled"] += 1
-            self.counts["episodes_cancelled"] += n
-        del self._tasks[uid]
-        self._started.pop(uid, None)
-        self._done.put_nowait(outcome)
+        finally:
+            if outcome is None:  # cancelled again while its episodes were being cancelled
+                outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
+                                       cancelled=self._cancel_reason.get(uid) or self.stopped or "cancelled")
+            del self._tasks[uid]
+            self._started.pop(uid, None)
+            self._done.put_nowait(outcome)
 
     async def _episode(self, uid: int, sample: Sample) -> EpisodeRecord:
         async with self.engine._slots:
-            if self.stopped:  # every server went down while this one waited for a slot: never started
+            if self.stopped:  # nothing can finish any more (servers down, sink failed): never started
                 raise asyncio.CancelledError
             self._started.setdefault(uid, self.engine.sm.expected_version)
             try:
                 rec = await self.engine._run_episode(sample, self.step)
             except AllServersDownError as e:
-                if not self.stopped:
-                    self.stopped = str(e)
-                    for other in list(self._tasks):  # every server is gone: nothing left can finish
-                        if other != uid:
-                            self.cancel(other, f"every server went down: {e}")
+                self._stop(f"every server went down: {e}", but=uid)
                 if not self.error_record_on_stop:
                     raise asyncio.CancelledError from e
                 rec = self.engine._error_record(sample, e, self.step, 0.0)
+            except Exception as e:  # noqa: BLE001 - the engine's last resort: one record per episode, always
+                rec = self.engine._error_record(sample, e, self.step, 0.0)
         if self.on_episode is not None:
-            await self.on_episode(rec)
+            try:
+                await self.on_episode(rec)
+            except Exception as e:  # the sink (the record writer) failed: no later record could be kept either
+                self._stop(f"the record sink failed: {type(e).__name__}: {e}", but=uid)
+                raise
         return rec

@@ -37,12 +37,18 @@ class LoopLagMonitor:
             self._samples.append(lag)
             self._max = max(self._max, lag)
 
-    def gauges(self) -> dict[str, float]:
+    def gauges(self, reset: bool = False) -> dict[str, float]:
+        """p50/p99/max lag in ms over the samples since the start (or the last reset); `reset` starts a new
+        window (a training step's row covers its own step)."""
         s = sorted(self._samples)
+        top = self._max
+        if reset:
+            self._samples.clear()
+            self._max = 0.0
         if not s:
             return {"loop/lag_p50_ms": 0.0, "loop/lag_p99_ms": 0.0, "loop/lag_max_ms": 0.0}
         return {
             "loop/lag_p50_ms": 1000 * s[len(s) // 2],
             "loop/lag_p99_ms": 1000 * s[min(len(s) - 1, int(0.99 * len(s)))],
-            "loop/lag_max_ms": 1000 * self._max,
+            "loop/lag_max_ms": 1000 * top,
         }

@@ -30,21 +30,32 @@ def load_plugins(cfg: Config) -> None:
 async def rollout_async(cfg: Config, run_dir: Path, progress: bool = True) -> RolloutResult:
     loop_cls = get_agent_loop(cfg.rollout.loop)
     samples = load_samples(cfg.data)
-    scorer = Scorer(cfg)  # fail on a bad custom reward before servers start
+    scorer = Scorer(cfg, on_note=_note)  # fail on a bad custom reward before servers start
     model_path = resolve_model(cfg)
     tokenizer = load_tokenizer_for(cfg, model_path)
     print(f"agentloop rollout: {len(samples)} prompts x {cfg.rollout.n_samples} samples, loop "
           f"{cfg.rollout.loop}, model {model_path}, run dir {run_dir}", file=sys.stderr, flush=True)
-    async with serving(cfg, model_path, run_dir) as sm:
-        with RecordWriter(run_dir / "records.jsonl") as writer:
-            engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=progress)
-            result = await engine.run(samples, on_record=writer)
+    try:
+        async with serving(cfg, model_path, run_dir) as sm:
+            with RecordWriter(run_dir / "records.jsonl") as writer:
+                engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=progress)
+                result = await engine.run(samples, on_record=writer)
+    finally:
+        await scorer.close()
     summary = dict(result.summary)
     summary["run_dir"] = str(run_dir)
     summary["stopped"] = result.stopped
-    write_json(run_dir / "summary.json", summary)
+    try:
+        write_json(run_dir / "summary.json", summary)
+    except OSError as e:  # e.g. the disk that stopped the run: the summary is still printed
+        _note(f"could not write {run_dir / 'summary.json'}: {e}")
+        return result
     _write_traces(run_dir, result, tokenizer)
     return result
+
+
+def _note(line: str) -> None:
+    print(f"agentloop rollout: {line}", file=sys.stderr, flush=True)
 
 
 def _write_traces(run_dir: Path, result: RolloutResult, tokenizer: Any) -> None:
@@ -58,7 +69,7 @@ def _write_traces(run_dir: Path, result: RolloutResult, tokenizer: Any) -> None:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    keys = ["episodes", "errors", "mean_reward", "accuracy"] + sorted(k for k in summary if k.startswith("pass@")) + [
+    keys = ["episodes", "errors", "reward_errors", "reward_timeouts", "mean_reward", "accuracy"] + sorted(k for k in summary if k.startswith("pass@")) + [
         "tokens_per_s", "episodes_per_s", "mean_response_tokens", "wall_s", "loop/lag_p99_ms",
         "server/prefix_cache_hit_rate", "server/retries", "server/latency_p50_s", "server/latency_p99_s"]
     lines = []

@@ -87,6 +87,9 @@ def summarize(records: list[EpisodeRecord], n_samples: int, wall_s: float) -> di
         "episodes": len(records),
         "errors": sum(errors.values()),
         "errors_by_type": dict(errors),
+        # scored at reward.failure_score, not error records: the reward raised / ran past reward.timeout_s
+        "reward_errors": int(sum(r.metrics.get("reward_errors", 0) for r in records)),
+        "reward_timeouts": int(sum(r.metrics.get("reward_timeouts", 0) for r in records)),
         "mean_reward": (sum(rewards) / len(rewards)) if rewards else None,
         **pass_k,
         "accuracy": (sum(x >= 1.0 - 1e-9 for x in rewards) / len(rewards)) if rewards else None,

@@ -48,6 +48,9 @@ class BaseTool(ABC):
     """One or two sentences for the model."""
     parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
     """JSON schema of the arguments object."""
+    verl_style: ClassVar[bool] = False
+    """True for the tools of a verl tool config (agentloop.tools.verl_tools): tool_agent_loop hands them
+    `tools_kwargs[name].create_kwargs` only, as verl does."""
 
     def __init__(self, config: "ToolsConfig | None" = None):
         from agentloop.tools.config import ToolsConfig

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentloop.tools.sandbox.limits import SandboxLimits
@@ -43,10 +45,11 @@ class SearchToolConfig(_Section):
 
 class ToolsConfig(_Section):
     names: list[str] = Field(default_factory=list)
-    """Tools every episode gets; a row's `tools_kwargs` keys add more (verl style)."""
+    """Tools every episode gets; a row's `tools_kwargs` keys add more (and every tool of `verl_tool_config`)."""
     verl_tool_config: str | None = None
     """verl's tool config YAML (its `multi_turn.tool_config_path`): each `class_name` (a class with verl's
-    tool API) is loaded and offered under its schema's function name (agentloop.tools.verl_tools)."""
+    tool API) is loaded and, as in verl, offered to every row under its schema's function name, ahead of a
+    built-in tool of the same name (agentloop.tools.verl_tools says how its tools are driven)."""
     parser: str = "hermes"
     """Registered tool-call parser (hermes, llama3_json, qwen3_coder, or a plugin's)."""
     max_turns: int = Field(default=8, ge=1)
@@ -54,11 +57,18 @@ class ToolsConfig(_Section):
     max_response_tokens: int = Field(default=4096, ge=1)
     """Token budget of the whole response (model + tool tokens) per episode."""
     max_tokens_per_turn: int | None = Field(default=None, ge=1)
-    """Cap on one turn's new tokens; None uses sampling.max_new_tokens."""
+    """Cap on one turn's new tokens. None: tool_agent_loop gives each turn what is left of
+    `max_response_tokens` (and of the context), verl's rule (its only cap is the remaining response length);
+    search_r1_agent_loop gives each turn sampling.max_new_tokens (Search-R1's per-turn max_response_length)."""
     max_tool_calls_per_turn: int = Field(default=4, ge=1)
-    """Calls executed per assistant turn; extra calls get an error message instead."""
+    """Calls executed per assistant turn (verl's rollout.multi_turn.max_parallel_calls); what happens to the
+    others: `excess_calls`."""
+    excess_calls: Literal["message", "drop"] | None = None
+    """A turn's calls beyond `max_tool_calls_per_turn`: message: not run, each answered by an error message;
+    drop: not run and not answered (verl drops them silently). None: drop with `verl_tool_config` set, else
+    message."""
     max_parallel_calls: int = Field(default=4, ge=1)
-    """Calls of one turn running concurrently."""
+    """Calls of one turn running concurrently (ours: verl runs all of a turn's calls at once)."""
     tool_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of one tool call (asyncio.wait_for); past it the call's message says it timed out."""
     max_tool_response_tokens: int = Field(default=512, ge=8)

@@ -12,13 +12,21 @@ The file (verl's format):
 
 `load_verl_tool_config(path)` imports each class, builds ONE instance as verl does
 (`cls(config=dict, tool_schema=schema)`, the schema an object with verl's attribute shape:
-`schema.function.name`, `.model_dump()`), and registers a `BaseTool` adapter under the schema's function
-name. Rows select it like verl's: `extra_info.tools_kwargs[name].create_kwargs`.
+`schema.function.name`, `.model_dump()`), and keeps a `BaseTool` adapter per schema function name for that
+file (`verl_tool_classes(path)`), apart from the global tool registry: a verl tool named like one of ours
+(verl's `search`) is the file's tool wherever the file is given, and our built-in keeps its name elsewhere.
+verl's own example classes (`verl.tools.search_tool.SearchTool`, `verl.tools.gsm8k_tool.Gsm8kTool`) load
+without verl installed: agentloop.tools.verl_ports implements them.
 
-The class is driven with verl's API (verl's BaseTool, subclassing it or not) the way verl's tool agent loop
-does, per call: `create(create_kwargs=...)` (a str or an (id, response) tuple back), `execute(id, arguments
+tool_agent_loop drives them as verl's tool agent loop does (agentloop.loops.tool_agent): every tool of the
+file is offered to every row; a row's `extra_info.tools_kwargs[name].create_kwargs` (else {}) is what
+`create` gets; arguments reach `execute` as the model wrote them (no schema check: verl has none); calls
+beyond `tools.max_tool_calls_per_turn` are dropped without a message (verl's max_parallel_calls); each
+call's step reward is listed in the reward's `extra_info["tool_rewards"]`.
+
+Per call: `create(create_kwargs=...)` (a str or an (id, response) tuple back), `execute(id, arguments
 [, agent_data=None])` -> (response, step reward, metrics) with a response that is a str, has `.text`, or is
-a {"text": ...} dict, then `release(id)` always. The step reward goes to the call's metrics
+a {"text": ...} dict, then `release(id)` always. The step reward also goes to the call's metrics
 (`tool/<name>/step_reward`); `calc_reward` is not called (verl's agent loop does not add it to the reward).
 
 Not supported: `type: mcp` entries (ConfigError naming the entry). The class must import without verl
@@ -37,7 +45,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentloop.errors import ConfigError
 from agentloop.tools.base import BaseTool, ToolResponse
-from agentloop.tools.registry import register_tool
 
 
 class _Open(BaseModel):
@@ -60,7 +67,22 @@ class VerlToolSchema(_Open):
     function: VerlFunctionSchema
 
 
-_LOADED: dict[str, list[str]] = {}
+class VerlToolEntry(BaseModel):
+    """One tool of a verl tool config file, as loaded."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str
+    """The schema's function name: what the model calls and what rows' tools_kwargs name."""
+    class_name: str
+    """The file's class_name."""
+    implementation: str
+    """The class actually used: class_name itself, or agentloop's port of it (verl not installed)."""
+    cls: Any
+    """The BaseTool adapter class."""
+
+
+_LOADED: dict[str, list[VerlToolEntry]] = {}
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -100,6 +122,10 @@ def make_adapter(instance: Any, schema: dict[str, Any]) -> type[BaseTool]:
         description = fn.get("description", "")
         parameters = fn.get("parameters") or {"type": "object", "properties": {}}
         verl_tool = instance
+        verl_style = True
+
+        def validate_arguments(self, arguments: Any) -> list[str]:
+            return []  # verl hands the model's arguments to the tool as they are; the tool decides
 
         async def create(self, episode: Any, **kwargs: Any) -> Any:
             return dict(kwargs)  # the row's create_kwargs; verl creates an instance per call
@@ -128,23 +154,44 @@ def make_adapter(instance: Any, schema: dict[str, Any]) -> type[BaseTool]:
     return VerlToolAdapter
 
 
-def _import_class(dotted: str, where: str) -> type:
+def _import_class(dotted: str, where: str) -> tuple[type, str]:
+    """(the class, the dotted name of the class used): verl's example classes fall back to our ports when
+    verl is not installed."""
+    from agentloop.tools.verl_ports import PORTS
+
     module_name, _, cls_name = dotted.rpartition(".")
     if not module_name:
         raise ConfigError(f"{where}: class_name {dotted!r} must be 'package.module.Class'")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if dotted in PORTS and (e.name or "").split(".")[0] in ("verl", "ray"):
+            port = PORTS[dotted]
+            mod, _, name = port.rpartition(".")
+            return getattr(importlib.import_module(mod), name), port
+        raise ConfigError(f"{where}: cannot import {module_name!r} for class_name {dotted!r}: "
+                          f"{type(e).__name__}: {e}") from None
     except Exception as e:  # noqa: BLE001 - named and re-raised as a config error
         raise ConfigError(f"{where}: cannot import {module_name!r} for class_name {dotted!r}: "
                           f"{type(e).__name__}: {e}") from None
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         raise ConfigError(f"{where}: {module_name!r} has no class {cls_name!r}")
-    return cls
+    return cls, dotted
 
 
 def load_verl_tool_config(path: str | Path) -> list[str]:
-    """Register every tool of a verl tool config file; returns their names (once per file per process)."""
+    """Load every tool of a verl tool config file (once per file per process); returns their names."""
+    return [e.name for e in verl_tool_entries(path)]
+
+
+def verl_tool_classes(path: str | Path) -> dict[str, type[BaseTool]]:
+    """The file's tools by name, in file order: BaseTool adapter classes (loaded once per file)."""
+    return {e.name: e.cls for e in verl_tool_entries(path)}
+
+
+def verl_tool_entries(path: str | Path) -> list[VerlToolEntry]:
+    """The file's tools as loaded (name, class_name, the implementation used, the adapter)."""
     p = Path(path).resolve()
     if str(p) in _LOADED:
         return _LOADED[str(p)]
@@ -157,7 +204,7 @@ def load_verl_tool_config(path: str | Path) -> list[str]:
     entries = doc.get("tools") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"verl tool config {str(path)!r} must hold a non-empty list under 'tools'")
-    names = []
+    loaded: list[VerlToolEntry] = []
     for i, entry in enumerate(entries):
         where = f"{path}: tools[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
@@ -168,7 +215,7 @@ def load_verl_tool_config(path: str | Path) -> list[str]:
         kind = config.get("type", "native")
         if kind != "native":
             raise ConfigError(f"{where}: tool type {kind!r} is not supported (only native tools; MCP is not)")
-        cls = _import_class(entry["class_name"], where)
+        cls, used = _import_class(entry["class_name"], where)
         given = entry.get("tool_schema")
         schema_obj = VerlToolSchema.model_validate(_schema_dict(given, where)) if given is not None else None
         try:
@@ -184,7 +231,10 @@ def load_verl_tool_config(path: str | Path) -> list[str]:
             schema = _schema_dict(getter(), where)
         else:
             schema = schema_obj.model_dump()
-        register_tool(schema["function"]["name"], make_adapter(instance, schema))
-        names.append(schema["function"]["name"])
-    _LOADED[str(p)] = names
-    return names
+        name = schema["function"]["name"]
+        if any(e.name == name for e in loaded):
+            raise ConfigError(f"{where}: a second tool named {name!r} in {str(path)!r}")
+        loaded.append(VerlToolEntry(name=name, class_name=entry["class_name"], implementation=used,
+                                    cls=make_adapter(instance, schema)))
+    _LOADED[str(p)] = loaded
+    return loaded

@@ -21,6 +21,9 @@ starts the learner by command line (learner_process) and talks to it through fil
                  (k1 / k2 / k3 / k1_reward), entropy, TIS and ratio masking, device-side Stats
     batching     records -> episodes -> mini-batches -> per-rank micro-batches (packed rows or padded ones),
                  staleness metrics, the KL penalty's per-episode return
+    rollout_correction  verl's rollout correction: sequence-level importance weights, rejection sampling
+    verl_order   verl's order of a step (KL in the reward, rejection) between the no-grad passes and the
+                 update: masks, weights and advantages rewritten, the KL controller
     attention    packed rows' masks: FlexAttention block masks (CUDA) or dense SDPA masks; the HF attention
                  function that runs flex; the check that a model honours the mask
     logprobs     logprobs / entropy from the final hidden states in chunks (no [tokens x vocab] tensor),

@@ -2,7 +2,7 @@
 
 Map:
     Episode            one usable record, flattened (ids, masks, rollout logprobs, advantage, versions)
-    prepare_episodes   drop failed/unscored records, group by (step, index), compute advantages
+    prepare_episodes   drop unscored records and infrastructure failures, group by uid, compute advantages
     staleness_metrics  version lag per token (asynchronous rollouts)
     mini_batch_indices deterministic shuffle + split of a step's episodes into mini-batches
     shard_for_rank     token-balanced split of a mini-batch over ranks (same answer on every rank)
@@ -61,6 +61,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
 from agentloop.train.advantages import compute_advantages, group_ids
 from agentloop.train.config import AlgoConfig, LossAggMode
@@ -99,21 +100,41 @@ class Prepared:
     episodes: list[Episode]
     """Episodes that enter the loss (failed, unscored and dropped ones removed)."""
     metrics: dict[str, float]
+    ok_rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    """Rewards of every usable record (the advantage estimator's input, episodes without model tokens
+    and dropped groups included), for estimators run again later (agentloop.train.verl_order)."""
+    ok_groups: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    """Their group numbers."""
+    ok_lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    """Their model-token counts."""
+    ok_episode: list[int] = field(default_factory=list)
+    """Per usable record, its index in `episodes`, -1 when it is not there."""
 
 
 def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared:
-    """Exclude failed (`error` set) and unscored records, compute advantages per (step, index) group.
+    """Exclude unscored records and those failed for a cause outside the policy, compute advantages per
+    GRPO group (uid, else (step, index)).
 
-    Episodes without model tokens take part in their group's baseline but not in the loss.
+    A policy failure (agentloop.errors.failure_kind: an episode timeout) that the orchestrator scored at
+    `reward.failure_score` stays: it takes part in its group's baseline, and in the loss with the
+    tokens it sampled. Episodes without model tokens (or without any tokens) take part in their group's
+    baseline but not in the loss.
     """
-    ok = [r for r in records if r.error is None and r.reward is not None and r.prompt_ids]
-    failed = sum(1 for r in records if r.error is not None)
+    ok = [r for r in records if r.reward is not None and failure_kind(r.error, r.finish_reason) != "infra"]
+    kept = {id(r) for r in ok}
+    failed = sum(1 for r in records if r.error is not None and id(r) not in kept)
+    groups = group_ids([("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok])
     adv = compute_advantages(
         [float(r.reward) for r in ok],
-        group_ids([("uid", r.uid) if r.uid is not None else (r.step, r.index) for r in ok]),
+        groups,
         [r.num_model_tokens for r in ok],
         algo,
     )
+    entered = [bool(k) and r.num_model_tokens > 0 and bool(r.prompt_ids) for r, k in zip(ok, adv.keep.tolist())]
+    ok_episode, n = [], 0
+    for e in entered:
+        ok_episode.append(n if e else -1)
+        n += e
     eps = [
         Episode(
             ids=list(r.prompt_ids) + list(r.response_ids),
@@ -124,13 +145,14 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
             reward=float(r.reward),
             versions=[-1 if v is None else int(v) for v in r.token_versions] if r.token_versions else None,
         )
-        for r, a, k in zip(ok, adv.values.tolist(), adv.keep.tolist())
-        if k and r.num_model_tokens > 0
+        for r, a, e in zip(ok, adv.values.tolist(), entered)
+        if e
     ]
     rewards = [float(r.reward) for r in ok]
     metrics = {
         "batch/records": float(len(records)),
         "batch/failed": float(failed),
+        "batch/policy_failed": float(sum(1 for r in ok if r.error is not None)),
         "batch/unscored": float(len(records) - failed - len(ok)),
         "batch/episodes": float(len(eps)),
         "batch/model_tokens": float(sum(e.model_tokens for e in eps)),
@@ -138,7 +160,10 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
         "reward/mean": sum(rewards) / max(len(rewards), 1),
         **adv.metrics(),
     }
-    return Prepared(episodes=eps, metrics=metrics)
+    return Prepared(episodes=eps, metrics=metrics,
+                    ok_rewards=torch.tensor(rewards, dtype=torch.float64), ok_groups=groups,
+                    ok_lengths=torch.tensor([r.num_model_tokens for r in ok], dtype=torch.int64),
+                    ok_episode=ok_episode)
 
 
 def staleness_metrics(episodes: list[Episode], step: int, *, max_lag_bucket: int = 4) -> dict[str, float]:
@@ -245,6 +270,9 @@ class MicroBatch:
     position + 1 outside spans): `episode_return` sums a per-token value from a token to there."""
     versions: torch.Tensor | None = None
     """[b, L] int64 weight version of each target token, -1 where unknown (None: no episode has versions)."""
+    seq_ids: torch.Tensor | None = None
+    """[b, L] int64: the index into `spans` / `episode_ids` of the episode each position belongs to, -1
+    outside every span (per-episode sums: sequence-level importance weights, rejection, KL in the reward)."""
     doc_ids: torch.Tensor | None = None
     """Packed layout, [L] int32: which item each position belongs to, -1 on the end padding."""
     seg_ids: torch.Tensor | None = None
@@ -277,7 +305,7 @@ class MicroBatch:
     def to(self, device: torch.device) -> "MicroBatch":
         for name in ("input_ids", "attention_mask", "position_ids", "targets", "loss_mask", "advantages",
                      "rollout_logprobs", "weights", "old_logprobs", "ref_logprobs", "ret_end", "versions",
-                     "doc_ids", "seg_ids"):
+                     "seq_ids", "doc_ids", "seg_ids"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))
@@ -446,6 +474,7 @@ def _collate_rows(
     rlp = np.zeros((b, L), dtype=np.float32)
     w = np.zeros((b, L), dtype=np.float64)
     ret_end = np.tile(np.arange(1, L + 1, dtype=np.int64), (b, 1))
+    seq_ids = np.full((b, L), -1, dtype=np.int64)
     has_versions = any(episodes[i].versions is not None for it in items for i in it)
     vers = np.full((b, L), -1, dtype=np.int64) if has_versions else None
     doc = np.full((L,), -1, dtype=np.int32) if packed else None
@@ -488,6 +517,7 @@ def _collate_rows(
             w[r, a:a + k] = token_weights(torch.from_numpy(m)[None], mode, num_tokens=num_tokens,
                                           num_seqs=num_seqs)[0].numpy()
             ret_end[r, a:a + k] = a + k
+            seq_ids[r, a:a + k] = len(spans)
             if vers is not None and e.versions is not None:
                 vers[r, a:a + k] = e.versions
             spans.append((r, a, k))
@@ -505,7 +535,7 @@ def _collate_rows(
     t = torch.from_numpy
     return MicroBatch(t(input_ids), attn, t(pos), t(targets), t(mask), t(adv), t(rlp), t(w), episode_ids, spans=spans,
                       row_lengths=lengths, row_attn_sq=[item_attn_sq(episodes, it) for it in items],
-                      items=[list(it) for it in items], ret_end=t(ret_end),
+                      items=[list(it) for it in items], ret_end=t(ret_end), seq_ids=t(seq_ids),
                       versions=None if vers is None else t(vers), doc_ids=None if doc is None else t(doc),
                       seg_ids=None if seg is None else t(seg))
 

@@ -7,11 +7,85 @@ Cross-field rules live in validators here, so a bad combination fails before any
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+@dataclass(frozen=True)
+class RsRule:
+    """One rejection rule: `option` (one of RS_OPTIONS) and its bounds on the statistic."""
+
+    option: str
+    lower: float | None
+    """k1 options: the lower bound, in log space (log of the user's number); None for k2/k3."""
+    upper: float
+    """k1 options: the upper bound in log space; k2/k3: the upper bound itself."""
+
+    @property
+    def level(self) -> str:
+        """token, sum, mean or max."""
+        return "token" if self.option.startswith("token") else self.option.split("_")[1]
+
+    @property
+    def kind(self) -> str:
+        """k1, k2 or k3."""
+        return self.option[-2:]
+
+
+def parse_rollout_rs(options: str, threshold: str | float | None) -> list[RsRule]:
+    """The rules of `algo.rollout_rs` = `options` with `algo.rollout_rs_threshold` = `threshold`
+    (ValueError naming the part that is wrong)."""
+    names: list[str] = []
+    for opt in (o.strip() for o in str(options).split(",")):
+        if not opt:
+            continue
+        if opt not in RS_OPTIONS:
+            raise ValueError(f"algo.rollout_rs option {opt!r} is not one of {list(RS_OPTIONS)}")
+        if opt not in names:
+            names.append(opt)
+    if not names:
+        raise ValueError("algo.rollout_rs holds no option")
+    if threshold is None:
+        raise ValueError("algo.rollout_rs needs algo.rollout_rs_threshold")
+    specs = [str(threshold)] if isinstance(threshold, (int, float)) else \
+        [p.strip() for p in str(threshold).split(",") if p.strip()]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ValueError(f"algo.rollout_rs_threshold has {len(specs)} entries for {len(names)} options "
+                         f"({names}); give one, or one per option")
+    rules = []
+    for opt, spec in zip(names, specs):
+        if opt.endswith("k1"):
+            lo, _, hi = spec.partition("_")
+            try:
+                upper = float(hi) if hi else float(lo)
+                lower = float(lo) if hi else 1.0 / upper
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"algo.rollout_rs_threshold {spec!r} for {opt} is not 'lower_upper' or a "
+                                 "positive number") from None
+            if lower <= 0 or upper <= 0:
+                raise ValueError(f"algo.rollout_rs_threshold {spec!r} for {opt}: bounds must be positive")
+            rules.append(RsRule(opt, math.log(lower), math.log(upper)))
+        else:
+            try:
+                upper = float(spec)
+            except ValueError:
+                raise ValueError(f"algo.rollout_rs_threshold {spec!r} for {opt} must be one positive number "
+                                 "(an upper bound)") from None
+            if upper <= 0:
+                raise ValueError(f"algo.rollout_rs_threshold {spec!r} for {opt} must be positive")
+            rules.append(RsRule(opt, None, upper))
+    return rules
 
 
 class _Section(BaseModel):
@@ -45,9 +119,9 @@ class AlgoConfig(_Section):
     k3 = exp(-d) + d - 1 (>= 0, capped at `kl_value_max`): its expected gradient is that of the *reverse*
     KL(ref||pi), not KL(pi||ref); it is the GRPO paper's term.
     In the reward: k1_reward = kl_coef * (old_logp - ref_logp) is subtracted from each model token's
-    reward, summed from that token to the end of its episode (the KL penalty's return, verl's
-    use_kl_in_reward), and the advantage of every token is lowered by it: the policy gradient of
-    -kl_coef * KL(pi||ref) over whole sequences, unbiased."""
+    reward, summed from that token to the end of its episode (the KL penalty's return), and the advantage
+    of every token is lowered by it after the estimator: the policy gradient of -kl_coef * KL(pi||ref) over
+    whole sequences, unbiased. verl's order (the penalty before the estimator) is `use_kl_in_reward`."""
     kl_value_max: float = Field(default=10.0, gt=0)
     """k3 only: per-token KL values are capped here (with zero gradient beyond), so one token whose
     logprob fell far below the reference's cannot dominate the loss (uncapped, exp(ref - logp) explodes)."""
@@ -77,9 +151,48 @@ class AlgoConfig(_Section):
     mask_ratio_high: float | None = Field(default=None, gt=1)
     """old_logprobs=recompute: tokens whose pi_proximal / pi_behaviour is above this are masked out of the
     loss, like `mask_ratio_low`. None = off."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """What `tis_cap` weighs (verl's algorithm.rollout_correction.rollout_is): token: each token by its own
+    min(pi_proximal / pi_behaviour, tis_cap); sequence: every token of an episode by min(prod over the episode's
+    model tokens of pi_proximal / pi_behaviour, tis_cap), the product taken as exp of the summed log-ratio
+    bounded to [-20, 20]."""
+    rollout_rs: str | None = None
+    """verl's algorithm.rollout_correction.rollout_rs: rejection sampling on the step-start (proximal) policy
+    against the behaviour one, r = pi_proximal / pi_behaviour per token. Comma-separated options, all must
+    pass: token_k1, token_k2, token_k3 (per token), seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3 (per
+    episode: the sum, mean or max of the token statistic over its model tokens; a rejected episode loses every
+    token). Statistics: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (log r bounded to [-20, 20]).
+    Rejected tokens leave the loss, the aggregation denominators and REINFORCE++'s whitening, as verl's
+    modified response mask does. Needs old_logprobs=recompute with proximal=recompute (a no-grad pass at the
+    start of every step). None = off."""
+    rollout_rs_threshold: str | float | None = None
+    """Thresholds of `rollout_rs`, verl's format: one entry, or one per option, comma-separated. k1 options:
+    "lower_upper" (kept when log(lower) <= k1 <= log(upper)) or one number u (lower = 1/u); k2/k3 options:
+    one upper bound (kept when the statistic <= it)."""
     dual_clip: float | None = Field(default=None, gt=1)
     """Dual-clip PPO (Ye et al. 2020), in every mode: for A < 0 the per-token policy loss is capped at
-    -A * dual_clip, so a token whose ratio exploded cannot dominate the step. None = off."""
+    -A * dual_clip, so a token whose ratio exploded cannot dominate the step. None = off. verl always applies
+    it with actor.clip_ratio_c = 3.0."""
+    use_kl_in_reward: bool = False
+    """verl's algorithm.use_kl_in_reward: before the advantage estimator, each model token's reward is lowered
+    by beta * kl_penalty(old, ref) (old: the step-start logprobs, or the behaviour ones with
+    old_logprobs=rollout; beta: `kl_ctrl_coef`, adapted by `kl_ctrl`), so grpo and rloo see
+    reward - beta * (the episode's summed penalty) and reinforce_pp whitens each token's return-to-go
+    over the batch's tokens. Loads the reference model and, with old_logprobs=recompute, runs a no-grad pass
+    of the policy at the start of every step. Independent of kl_coef (the KL loss), as in verl."""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    """verl's algorithm.kl_penalty, the per-token penalty of `use_kl_in_reward`, d = old - ref: kl = d,
+    abs = |d|, mse = d^2 / 2, low_var_kl = exp(-d) + d - 1 (-d bounded to [-20, 20], value to [-10, 10])."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """verl's algorithm.kl_ctrl.type: fixed keeps beta = kl_ctrl_coef; adaptive (Ziegler et al. 2019) multiplies
+    it after every step by 1 + clip(kl / kl_ctrl_target - 1, -0.2, 0.2) * episodes / kl_ctrl_horizon, kl the
+    mean over episodes of each one's mean penalty (its value is saved in learner checkpoints)."""
+    kl_ctrl_coef: float = Field(default=0.001, ge=0)
+    """verl's algorithm.kl_ctrl.kl_coef: the (initial) beta of `use_kl_in_reward`."""
+    kl_ctrl_target: float = Field(default=0.1, gt=0)
+    """verl's algorithm.kl_ctrl.target_kl (adaptive controller)."""
+    kl_ctrl_horizon: int = Field(default=10000, ge=1)
+    """verl's algorithm.kl_ctrl.horizon (adaptive controller)."""
     temperature: float = Field(default=1.0, gt=0)
     """The learner divides its logits by it, so it must be the rollouts' sampling temperature. In `agentloop
     train` it is sampling.temperature (agentloop.config.validate_for_training sets it; a different value
@@ -93,6 +206,22 @@ class AlgoConfig(_Section):
             raise ValueError("algo.estimator=reinforce_pp with algo.drop_zero_variance_groups=true: REINFORCE++ "
                              "whitens rewards over the whole batch, so a group of equal rewards still has "
                              "non-zero advantages and dropping it would drop real signal; set one of them otherwise")
+        if self.rollout_rs is not None:
+            parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)  # a bad spec fails here, named
+            if self.old_logprobs != "recompute" or self.proximal != "recompute":
+                raise ValueError("algo.rollout_rs needs algo.old_logprobs=recompute and algo.proximal=recompute: "
+                                 "the rejection is decided once per step on the step-start policy (verl's "
+                                 "decoupled mode); verl's bypass-mode rejection against the moving policy has no "
+                                 "equivalent here")
+        elif self.rollout_rs_threshold is not None:
+            raise ValueError("algo.rollout_rs_threshold is set but algo.rollout_rs is not")
+        if self.use_kl_in_reward:
+            if self.kl_coef > 0 and self.kl_type == "k1_reward":
+                raise ValueError("algo.use_kl_in_reward=true with algo.kl_type=k1_reward puts the KL in the reward "
+                                 "twice; use one of them")
+            if self.old_logprobs == "recompute" and self.proximal == "interpolate":
+                raise ValueError("algo.use_kl_in_reward needs the step-start logprobs before the update: use "
+                                 "algo.proximal=recompute (or algo.old_logprobs=rollout)")
         if self.old_logprobs == "rollout":
             if self.proximal != "recompute":
                 raise ValueError(f"algo.proximal={self.proximal!r} needs algo.old_logprobs=recompute (with rollout "
@@ -243,4 +372,4 @@ class LearnerConfig(_Section):
         return self
 
 
-__all__ = ["AlgoConfig", "LearnerConfig", "LossAggMode"]
+__all__ = ["AlgoConfig", "LearnerConfig", "LossAggMode", "RS_OPTIONS", "RsRule", "parse_rollout_rs"]

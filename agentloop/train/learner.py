@@ -166,7 +166,18 @@ def old_logprob_pass(algo, cfg) -> bool:
     one mini-batch the weights are untouched until the single optimizer step, so the recomputed
     logprobs would equal the loss pass's own (detached), and that forward is skipped.
     """
-    return algo.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.mini_batches > 1)
+    return algo.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or verl_order(algo))
+
+
+def verl_order(algo) -> bool:
+    """Whether a step decides masks and advantages from the step-start logprobs before the update (verl's
+    KL in the reward, rejection sampling: agentloop.train.verl_order), which then need their own pass."""
+    return algo.use_kl_in_reward or algo.rollout_rs is not None
+
+
+def needs_reference(algo) -> bool:
+    """Whether the frozen reference model is loaded (the KL loss, or the KL in the reward)."""
+    return algo.kl_coef > 0 or algo.use_kl_in_reward
 
 
 class Learner:
@@ -241,7 +252,7 @@ class Learner:
         self.n_params = flop_params(self.model)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(self.device)) if self.device_type == "cuda" else None
         self.ref_model = None
-        if self.algo.kl_coef > 0:
+        if needs_reference(self.algo):
             self.ref_model = self._build(src, dtype=self.compute_dtype, trainable=False)
         del src
         from agentloop.train.logprobs import LogprobHead
@@ -255,6 +266,10 @@ class Learner:
             weight_decay=self.cfg.weight_decay,
         )
         self._ckpt = None  # CheckpointWriter, created at the first background save
+        from agentloop.train.verl_order import KLController
+
+        self.kl_ctrl = KLController(self.algo)
+        """beta of algo.use_kl_in_reward (adaptive: saved in checkpoints' extra as kl_ctrl_value)."""
         self.step = 0
         """Last training step applied to the weights (0 = none)."""
 
@@ -506,6 +521,18 @@ class Learner:
                             mb.old_logprobs, _ = self._forward(self.model, mb, entropy=False, entropy_grad=False)
                         if self.ref_model is not None:
                             mb.ref_logprobs, _ = self._forward(self.ref_model, mb, entropy=False, entropy_grad=False)
+        if verl_order(algo):
+            from agentloop.train.verl_order import apply_verl_order
+
+            def reduce_sum(t):
+                if self.world > 1:
+                    dist.all_reduce(t)
+
+            beta = self.kl_ctrl.value
+            vm, current_kl = apply_verl_order(plans, minis, prepared, algo, beta, all_reduce=reduce_sum)
+            metrics.update(vm)
+            if algo.use_kl_in_reward:
+                self.kl_ctrl.update(current_kl, len(eps))
         if old_pass:
             # FSDP2 keeps the root's parameters (embeddings, tied lm_head, final norm) unsharded after a
             # forward; ones gathered under no_grad then serve the loss pass, and the tied weight's
@@ -549,7 +576,8 @@ class Learner:
                         adv, pen = kl_reward_advantages(mb, adv, old, mb.ref_logprobs, algo.kl_coef)
                         stats.add_mean("actor/kl_penalty", pen.sum() / algo.kl_coef, mb.loss_mask.sum())
                     out = policy_loss(logp, old, adv, mb.loss_mask, mb.weights, algo,
-                                      rollout_logp=mb.rollout_logprobs, ref_logp=mb.ref_logprobs, entropy=ent)
+                                      rollout_logp=mb.rollout_logprobs, ref_logp=mb.ref_logprobs, entropy=ent,
+                                      seq_ids=mb.seq_ids, n_seqs=len(mb.spans))
                     (out.loss * self.world).backward()
                     part = out.loss.detach() if part is None else part + out.loss.detach()
                     stats.merge(out.stats)
@@ -699,6 +727,8 @@ class Learner:
         """
         from agentloop.train.checkpoint import CheckpointWriter, save_checkpoint
 
+        if self.kl_ctrl.adaptive:
+            extra = {**(extra or {}), "kl_ctrl_value": self.kl_ctrl.value}
         if not background:
             self.wait_checkpoint()
             return save_checkpoint(root, self.step, self.model, self.optimizer, data_position=data_position,
@@ -731,6 +761,8 @@ class Learner:
         self.wait_checkpoint()
         meta = load_checkpoint(path, self.model, self.optimizer)
         self.step = meta.step
+        if self.kl_ctrl.adaptive and "kl_ctrl_value" in meta.extra:
+            self.kl_ctrl.value = float(meta.extra["kl_ctrl_value"])
         return meta
 
     def close(self) -> None:

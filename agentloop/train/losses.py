@@ -34,9 +34,11 @@ and `old` depends on `AlgoConfig.old_logprobs`:
              or the loss pass's own detached logprobs when the weights have not moved yet, or
              `interpolate_proximal` with algo.proximal=interpolate). The behaviour/proximal mismatch is
              handled per token with the detached weight w = pi_prox / mu: the loss is multiplied by
-             min(w, tis_cap) (truncated importance sampling, Yao et al. 2025), and tokens whose w lies
+             min(w, tis_cap) (truncated importance sampling, Yao et al. 2025; with tis_level=sequence, w is
+             the product over the token's episode: verl's rollout_is=sequence), and tokens whose w lies
              outside [mask_ratio_low, mask_ratio_high] are masked out. Mismatch metrics compare pi_prox
-             with mu.
+             with mu. (verl's rollout_rs rejection is applied before this, to the mask and the weights:
+             agentloop.train.verl_order.)
   rollout    old = mu. No extra forward pass; r = pi_theta / mu already contains the mismatch and the
              trust region is taken around mu. No importance weight. Mismatch metrics compare the current
              logprobs (detached) with mu, which is learner-vs-rollout on the first forward pass of a step.
@@ -229,6 +231,8 @@ def policy_loss(
     rollout_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+    n_seqs: int = 0,
 ) -> LossOutput:
     """Loss of one micro-batch; all inputs Tensor[B, T] aligned on the same tokens.
 
@@ -237,7 +241,9 @@ def policy_loss(
     mask: 1 = model token; weights: `token_weights` of the mini-batch (zero off the mask);
     rollout_logp: the behaviour logprobs (for the importance weight, masking and the mismatch metrics; in
     rollout mode it is `old_logp`); ref_logp: frozen reference logprobs (needed when kl_coef > 0);
-    entropy: per-token entropy of the current policy (with grad when entropy_coef > 0).
+    entropy: per-token entropy of the current policy (with grad when entropy_coef > 0);
+    seq_ids: per position, the index (0..n_seqs-1) of the episode it belongs to, -1 elsewhere (needed by
+    tis_level=sequence, whose weight is a product over each episode's tokens).
     Nothing here reads a value back to the host.
     """
     f32 = torch.float32
@@ -261,14 +267,25 @@ def policy_loss(
     if cfg.old_logprobs == "recompute":
         if rollout_logp is not None:
             # w = pi_prox / mu per token (detached): importance weight and masking threshold.
-            log_w = ((old_logp - rollout_logp.to(f32)) * mf).clamp(-20.0, 20.0).detach()
+            log_w_raw = ((old_logp - rollout_logp.to(f32)) * mf).detach()
+            log_w = log_w_raw.clamp(-20.0, 20.0)
             raw_w = torch.exp(log_w)
             # k3 estimate of KL(mu || pi_prox) from tokens sampled by mu
             stats.add_mean("mismatch/kl_behaviour_proximal", ((raw_w - 1.0 - log_w) * mf).sum(), n_tok)
             if cfg.tis_cap is not None:
-                tis_w = raw_w.clamp(max=cfg.tis_cap)
+                if cfg.tis_level == "sequence":
+                    if seq_ids is None:
+                        raise ValueError("algo.tis_level=sequence needs seq_ids")
+                    from agentloop.train.rollout_correction import sequence_log_ratio
+
+                    # verl's rollout_is=sequence: the product of the episode's token ratios, from the summed
+                    # (unbounded) log-ratios, bounded once
+                    w_is = torch.exp(sequence_log_ratio(log_w_raw, mf, seq_ids, n_seqs).clamp(-20.0, 20.0)) * mf
+                else:
+                    w_is = raw_w
+                tis_w = w_is.clamp(max=cfg.tis_cap)
                 stats.add_mean("mismatch/tis_weight_mean", (tis_w * mf).sum(), n_tok)
-                stats.add_mean("mismatch/tis_capped_frac", ((raw_w > cfg.tis_cap) & m).sum(), n_tok)
+                stats.add_mean("mismatch/tis_capped_frac", ((w_is > cfg.tis_cap) & m).sum(), n_tok)
                 pg = pg * tis_w
             if cfg.mask_ratio_low is not None or cfg.mask_ratio_high is not None:
                 out = torch.zeros_like(m)

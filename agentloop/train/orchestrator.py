@@ -51,6 +51,7 @@ names both directories.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -60,7 +61,7 @@ from typing import Any
 
 from agentloop.config import Config, validate_for_training
 from agentloop.data import TrainData, load_train_data
-from agentloop.errors import AgentLoopError
+from agentloop.errors import AgentLoopError, failure_kind
 from agentloop.inference.serving import serving
 from agentloop.interrupt import interrupt_policy
 from agentloop.loops import get_agent_loop
@@ -69,6 +70,7 @@ from agentloop.records import EpisodeRecord, Sample, read_records
 from agentloop.report.progress import emit, fmt_fields, progress_line
 from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
 from agentloop.rollout.engine import GroupOutcome, RolloutEngine
+from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer
 from agentloop.server_manager import ServerManager, parse_version
 from agentloop.tools.sandbox import require_isolation
@@ -87,6 +89,11 @@ class TrainingError(AgentLoopError):
     """The training run cannot go on (learner died, servers gone, ...)."""
 
 
+INFRA_RETRIES = 2
+"""Attempts (Sample.attempt, which stale re-dispatches also count) after which the async schedule stops
+giving out again a prompt whose group failed for an infrastructure cause."""
+
+
 # ---------------------------------------------------------------------------- metrics
 
 
@@ -102,6 +109,8 @@ def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, floa
         f"{prefix}/response_tokens": sum(len(r.response_ids) for r in records) / max(1, len(records)),
         f"{prefix}/model_tokens": sum(r.num_model_tokens for r in records) / max(1, len(records)),
         f"{prefix}/turns": sum(r.num_turns for r in records) / max(1, len(records)),
+        f"{prefix}/reward_errors": float(sum(r.metrics.get("reward_errors", 0) for r in records)),
+        f"{prefix}/reward_timeouts": float(sum(r.metrics.get("reward_timeouts", 0) for r in records)),
     }
     if any("tool_calls" in r.metrics for r in records):
         m[f"{prefix}/tool_call_rate"] = sum(r.metrics.get("tool_calls", 0) > 0 for r in records) / max(1, len(records))
@@ -110,8 +119,17 @@ def rollout_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, floa
 
 
 def trainable(r: EpisodeRecord) -> bool:
-    """Whether a record goes to the learner: scored, not failed, not cut short by a server abort."""
-    return r.error is None and r.reward is not None and r.finish_reason != "abort"
+    """Whether a record may go to the learner: scored (a normal episode, length-cut included; a reward that
+    raised or timed out scored it `reward.failure_score`), or failed by the policy's fault (an episode
+    timeout, scored `reward.failure_score` by `batch_records`). Never a server abort or another
+    infrastructure failure (agentloop.errors.failure_kind), which take their whole group out."""
+    kind = failure_kind(r.error, r.finish_reason)
+    return kind == "policy" or (kind == "ok" and r.reward is not None)
+
+
+def group_key(r: EpisodeRecord) -> int:
+    """The GRPO group of a record: its uid (the row index for records without one)."""
+    return r.uid if r.uid is not None else r.index
 
 
 def version_check(records: list[EpisodeRecord], step: int, staleness: Staleness) -> dict[str, float]:
@@ -158,12 +176,18 @@ _PROGRESS_LABELS = {
     KL_KEY: "kl", ENTROPY_KEY: "entropy", "train/response_tokens": "resp len",
     "val/reward": "val reward", "val/accuracy": "val accuracy", "val/tool_call_rate": "val tool calls",
     "staleness/lag_mean": "lag", "async/groups_cancelled": "cancelled",
+    "train/groups_dropped_infra": "groups dropped", "train/episodes_policy_failed": "policy failures",
+    "loop/lag_p99_ms": "loop lag p99 ms",
 }
 """Progress-line fields: metrics key -> label (keys missing from a row are left out)."""
 
+_PROGRESS_IF_NONZERO = {"train/groups_dropped_infra", "train/episodes_policy_failed"}
+"""Failure counts shown only in the steps that had some."""
+
 _PROGRESS_KEYS = ["train/reward", "train/accuracy", "train/tool_call_rate", KL_KEY, ENTROPY_KEY,
                   "train/response_tokens", "val/reward", "val/accuracy", "staleness/lag_mean",
-                  "async/groups_cancelled"]
+                  "async/groups_cancelled", "train/groups_dropped_infra", "train/episodes_policy_failed",
+                  "loop/lag_p99_ms"]
 
 
 # ---------------------------------------------------------------------------- the run
@@ -206,6 +230,8 @@ class Trainer:
         self.weights_dir: Path | None = None
         """The newest HF weights on disk (what a stale server is resynced to)."""
         self.final: dict[str, Any] = {}
+        self.loop_lag = LoopLagMonitor()
+        """Event-loop lag while a schedule runs: `loop/lag_*_ms` of each step's row (since the previous one)."""
         (run_dir / "rollouts").mkdir(exist_ok=True)
 
     # ------------------------------------------------------------------ weights
@@ -279,12 +305,31 @@ class Trainer:
     # ------------------------------------------------------------------ a step
 
     def batch_records(self, step: int, records: list[EpisodeRecord]) -> tuple[list[EpisodeRecord], dict[str, float]]:
-        """The step's records in uid order, stamped with the step; the trainable ones; version checks."""
-        records = sorted(records, key=lambda r: (r.uid if r.uid is not None else r.index, r.repeat))
+        """The step's records in uid order, stamped with the step; what the learner trains; version checks.
+
+        Whole GRPO groups only: a group with an infrastructure failure (a server abort, a spent retry
+        budget, a loop that raised) is left out whole, never trained partial; a policy failure (an
+        episode timeout) stays in its group as a copy scored `reward.failure_score`, so the group's
+        advantages are computed over all its episodes and the failure gets the negative one."""
+        records = sorted(records, key=lambda r: (group_key(r), r.repeat))
         for r in records:
             r.step = step
-        usable = [r for r in records if trainable(r)]
+        usable: list[EpisodeRecord] = []
+        dropped = policy_failed = 0
+        for _, group in itertools.groupby(records, key=group_key):
+            group = list(group)
+            if not all(trainable(r) for r in group):
+                dropped += 1
+                continue
+            for r in group:
+                if r.error is not None:  # a policy failure (trainable): the lowest score, its tokens kept
+                    r = r.model_copy(update={"reward": self.cfg.reward.failure_score})
+                policy_failed += r.error is not None or bool(r.metrics.get("reward_errors")) \
+                    or bool(r.metrics.get("reward_timeouts"))
+                usable.append(r)
         checks = version_check(usable, step, self.staleness)
+        checks["train/groups_dropped_infra"] = float(dropped)
+        checks["train/episodes_policy_failed"] = float(policy_failed)
         limit = self.cfg.train.max_version_violations
         if checks["versions/violation_rate"] > limit:
             raise TrainingError(
@@ -302,15 +347,19 @@ class Trainer:
             raise TrainingError(f"step {step}: no trainable episode; first error: {first_err}")
         path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
         if write and not (self.client.paths.ready(step).exists() and path.is_file()):
-            with RecordWriter(path) as writer:
-                for r in records:
-                    writer(r)
+            try:
+                with RecordWriter(path) as writer:
+                    for r in records:
+                        writer(r)
+            except OSError as e:  # e.g. a full disk: the message names the file
+                raise TrainingError(f"step {step}: {e}") from e
         self.client.submit(step, usable, data_position=extra.pop("_data_state"))
         try:
             upd, t_learn, t_sync = await self.learner_update(step)
         except MailboxError as e:
             raise TrainingError(f"learner failed at step {step}: {e}\n--- learner.log tail ---\n"
                                 f"{self.learner.log_tail()}") from e
+        checks["train/groups_dropped_infra"] += extra.pop("_groups_dropped_infra", 0)
         row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
         row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
         g = self.sm.gauges()
@@ -327,14 +376,16 @@ class Trainer:
                     # prompt tokens the servers' prefix caches served since the last step (a flush per update
                     # empties them; in_place keeps them, isolated per version)
                     "server/prefix_cache_hit_rate": step_cached / step_prompt if step_prompt else 0.0,
-                    "server/flushes_refused": g["server/flushes_refused"]})
+                    "server/flushes_refused": g["server/flushes_refused"],
+                    **self.loop_lag.gauges(reset=True)})
         if self.cfg.train.val_every and self.val_samples and (step % self.cfg.train.val_every == 0
                                                               or step == self.cfg.train.steps):
             row.update(await self.validate(step))
         self.log.log(row)
         self.log.curves()
         servers = f"servers {int(g['server/healthy'])}/{int(g['server/total'])}"
-        emit(progress_line(step, self.cfg.train.steps, "steps", fmt_fields(row, _PROGRESS_LABELS, _PROGRESS_KEYS)
+        keys = [k for k in _PROGRESS_KEYS if k not in _PROGRESS_IF_NONZERO or row.get(k)]
+        emit(progress_line(step, self.cfg.train.steps, "steps", fmt_fields(row, _PROGRESS_LABELS, keys)
                            + [f"rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s", servers]))
         self.final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
         return row
@@ -344,12 +395,15 @@ class Trainer:
         vdir.mkdir(exist_ok=True)
         with RecordWriter(vdir / f"step-{step:06d}.jsonl") as writer:
             res = await self.engine.run(self.val_samples, n_samples=1, step=step, on_record=writer)
+        if res.stopped:
+            raise TrainingError(f"validation at step {step} stopped: {res.stopped}")
         return rollout_metrics(res.records, "val")
 
     # ------------------------------------------------------------------ the synchronous schedule
 
     async def run_sync(self, first: int) -> None:
         B = self.cfg.train.prompts_per_step
+        self.loop_lag.start()
         for step in range(first, self.cfg.train.steps + 1):
             t0 = time.monotonic()
             batch = self.cursor.take(B)
@@ -366,6 +420,7 @@ class Trainer:
 
     async def run_async(self, first: int) -> None:
         cfg = self.cfg
+        self.loop_lag.start()
         B, n = cfg.train.prompts_per_step, cfg.rollout.n_samples
         # A resumed run counts admissions from the version it starts at, so it keeps exactly the groups in
         # flight that a fresh run keeps at that point (η = 0: the synchronous schedule again).
@@ -396,12 +451,25 @@ class Trainer:
                 changed.clear()
                 await changed.wait()
 
+        def retry_infra(out: GroupOutcome) -> None:
+            """A group with an infrastructure failure is never trained partial: its prompt is given out
+            again (fresh seeds), at most INFRA_RETRIES times (a prompt that always fails, say one too long
+            for the context, would else come back forever)."""
+            counts["groups_dropped_infra"] += 1
+            if not state["ending"] and out.sample.attempt < INFRA_RETRIES:
+                self.cursor.retry(out.sample)
+            else:
+                handed_out.discard(out.sample.group_uid)
+
         async def collect() -> None:
             while True:
                 out = await stream.next()
                 if out.cancelled is not None:
                     admission.finished(kept=False)
                     give_back(out, "stale" if out.cancelled.startswith("stale") else "other")
+                elif not all(trainable(r) for r in out.records):
+                    admission.finished(kept=False)
+                    retry_infra(out)
                 elif not self.staleness.trainable(out.oldest_version, state["next_step"]):
                     admission.finished(kept=False)
                     give_back(out, "stale")
@@ -426,6 +494,7 @@ class Trainer:
 
         state["next_step"] = first
         tasks = [asyncio.create_task(produce(), name="producer"), asyncio.create_task(collect(), name="collector")]
+        logged: Counter[str] = Counter(counts)  # counts as of the last step's row
         try:
             for step in range(first, cfg.train.steps + 1):
                 t0 = time.monotonic()
@@ -446,19 +515,22 @@ class Trainer:
                 records = [r for g in groups for r in g.records]
                 for g in groups:
                     handed_out.discard(g.sample.group_uid)
-                before = dict(counts)
                 extra = {"_data_state": self.cursor.state(untrained=sorted(handed_out)),
                          "async/groups_in_flight": float(stream.running),
                          "async/groups_buffered": float(len(buffer)),
                          "async/busy_frac": self.engine.busy_fraction(reset=True)}
+                # what happened since the previous step's row, written in this step's row
+                for k in ("groups_cancelled", "episodes_cancelled", "episodes_continued"):
+                    extra[f"async/{k}"] = float(counts.get(k, 0) - logged.get(k, 0))
+                extra["_groups_dropped_infra"] = counts.get("groups_dropped_infra", 0) - logged.get("groups_dropped_infra", 0)
+                logged = Counter(counts)
                 state["next_step"] = step + 1
                 await self.train_step(step, records, t0, t_roll, extra)
                 state["version"] = step
-                for k in ("groups_cancelled", "episodes_cancelled", "episodes_continued"):
-                    self.log.rows[-1][f"async/{k}"] = float(counts.get(k, 0) - before.get(k, 0))
                 changed.set()
         finally:
             state["ending"] = True
+            await self.loop_lag.stop()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -485,7 +557,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     loop_cls = get_agent_loop(cfg.rollout.loop)
     data = data if data is not None else load_data(cfg)
     train_samples, val_samples = data.train, data.val
-    scorer = Scorer(cfg)
+    scorer = Scorer(cfg, on_note=lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True))
     model_path = model_path if model_path is not None else resolve_train_model(cfg)
     # refused before anything starts when the learner cannot run the model exactly (it checks again itself)
     support = require_model_support(model_path, max_len=cfg.model.context_length)
@@ -554,9 +626,11 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 await trainer.run_sync(first)
             else:
                 await trainer.run_async(first)
+            await trainer.loop_lag.stop()
             final.update(trainer.final)
             final.update(await finish_learner(cfg, client, learner))
     finally:
+        await scorer.close()
         if proc.poll() is None:
             client.stop()
         rc = learner.stop()

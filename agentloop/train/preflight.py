@@ -161,10 +161,16 @@ def check_data(cfg: Config) -> tuple[Check, Any | None]:
         sources.append(("validation", None, d.val_builtin, d.val_max_samples))
     problems, warnings = [], []
     try:
+        verl_tools: list[str] = []
+        if cfg.tools.verl_tool_config:  # its tools are offered to every row, as data check --tools-config says
+            from agentloop.tools.verl_tools import load_verl_tool_config
+
+            verl_tools = load_verl_tool_config(cfg.tools.verl_tool_config)
         for _, path, builtin, limit in sources:
             rows = (_file_rows(path, limit) if path is not None else
                     ((f"builtin:{builtin} row {i}", r) for i, r in enumerate(islice(builtin_rows(builtin), limit))))
-            report = check_rows(rows, prompt_key=d.prompt_key if path is not None else "prompt")
+            report = check_rows(rows, prompt_key=d.prompt_key if path is not None else "prompt",
+                                verl_tools=verl_tools)
             problems += [f"{p.where}: {p.message}" for p in report.problems if p.level == "error"]
             warnings += [f"{p.where}: warning: {p.message}" for p in report.problems if p.level == "warning"]
         if problems:
@@ -567,7 +573,8 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
     learner_on_gpu = lc.device != "cpu"
     setup = planner.LearnerSetup(
         nproc=lc.nproc, micro_batch_tokens=lc.micro_batch_tokens, gradient_checkpointing=lc.gradient_checkpointing,
-        compile=lc.compile != "off", reference=cfg.algo.kl_coef > 0, logprob_chunk_tokens=lc.logprob_chunk_tokens,
+        compile=lc.compile != "off", logprob_chunk_tokens=lc.logprob_chunk_tokens,
+        reference=cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward,  # the learner's needs_reference rule
         sync_bucket_gib=0.0 if (sync_given or ("tensor" if local else "disk")) == "disk"
         else lc.weight_sync_bucket_mb / 1024)
     servers = planner.ServerSetup(

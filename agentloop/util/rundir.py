@@ -52,14 +52,26 @@ class RecordWriter:
         self.path = path
         self._fh: TextIO = path.open("a")
         self.count = 0
+        self.failed = False
+        """A write failed (and was raised): closing does not raise it again."""
 
     def __call__(self, rec: EpisodeRecord) -> None:
-        self._fh.write(rec.model_dump_json() + "\n")
-        self._fh.flush()
+        line = rec.model_dump_json() + "\n"
+        try:
+            self._fh.write(line)
+            self._fh.flush()
+        except OSError as e:  # a full disk, a lost mount: the message must say which file
+            self.failed = True
+            raise OSError(e.errno, f"cannot write records to {self.path}: {e.strerror or e}") from e
         self.count += 1
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError as e:
+            if self.failed:  # the failed write's tail: that failure was raised already
+                return
+            raise OSError(e.errno, f"cannot write records to {self.path}: {e.strerror or e}") from e
 
     def __enter__(self) -> "RecordWriter":
         return self

@@ -95,3 +95,30 @@ def test_real_server_that_missed_an_update_serves_only_after_resync(sglang_serve
     assert kept_out == (False, 0)
     assert resyncs == [url] and g["server/resyncs"] == 1 and g["server/readmissions"] >= 1
     assert versions == {url: 1} and after.weight_version == "1" and after.server == url
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_real_server_paused_by_a_run_that_dies_generates_again(sglang_server, mode):
+    """A run that dies while its (external) server is paused must not leave it paused: the manager sends
+    /continue_generation as it closes, so the next user of the real server gets tokens."""
+    from agentloop.config import ManagerConfig, SamplingParams
+
+    url = sglang_server.url
+    cfg = ManagerConfig(health_interval_s=3600, health_timeout_s=20)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="the learner died"):
+            async with ServerManager([url], cfg) as sm:
+                await sm.pause(mode)
+                raise RuntimeError("the learner died")
+        async with ServerManager([url], cfg) as next_user:
+            try:
+                return await asyncio.wait_for(
+                    next_user.generate("after", prompt_ids=[5, 6, 7], sampling_params=sp), 60)
+            finally:  # whatever happened, the session's server is not left paused for the tests after this
+                await next_user._admin_post(url, "/continue_generation", {}, timeout=20)
+
+    out = asyncio.run(main())
+    assert len(out.token_ids) == 4

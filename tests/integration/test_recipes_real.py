@@ -108,3 +108,43 @@ def test_code_recipe(sglang_server, tiny_model_path, tmp_path):
                      "tools.max_response_tokens=64", "tools.max_turns=2")
     assert all(r.error is None and r.data_source == "agentloop/code" for r in recs)
     assert all(r.reward is not None and r.reward_info for r in recs)  # the sandboxed grader ran and reported
+
+
+def test_verls_search_tool_config_and_search_r1_rows_train_a_step(sglang_server, tiny_model_path, tmp_path):
+    """verl's own multi-turn Search-R1 setup (its search_tool_config.yaml and its searchR1_* rows, verl's
+    preprocess_search_r1_dataset shape) through tool_agent_loop and one training step: every row is offered
+    verl's `search`, whose calls (query_list) reach the retrieval service through verl's SearchTool (our port
+    of it: verl is not installed), and the rows are scored under verl's searchR1_* names."""
+    from agentloop.tools import ToolCall
+    from agentloop.tools.parsers import ParseResult, register_parser
+    from tests.unit.data.test_prepare_check import _verl_search_r1_rows
+    from tests.unit.tools.test_verl_tools import SEARCH_TOOL_CONFIG
+
+    def always_search(text: str) -> ParseResult:  # the random model writes no tool calls: make one per turn
+        return ParseResult(calls=[ToolCall(name="search", arguments={"query_list": ["capital of Australia"]})],
+                           content=text)
+
+    register_parser("test_always_search", always_search, override=True)
+    data = tmp_path / "train.parquet"
+    _verl_search_r1_rows(data)
+    corpus = ROOT / "agentloop" / "data" / "corpus_demo.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "agentloop.cli", "retriever", "serve", "--corpus", str(corpus),
+                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving http://" in line, line
+        tools = tmp_path / "search_tool_config.yaml"
+        tools.write_text(SEARCH_TOOL_CONFIG.format(url=line.rsplit(" ", 1)[-1].strip()))
+        recs = _one_step("search_r1", sglang_server.url, tiny_model_path, tmp_path, f"data.path=\"{data}\"",
+                         "rollout.loop=\"tool_agent_loop\"", f"tools.verl_tool_config=\"{tools}\"",
+                         "tools.parser=\"test_always_search\"", "tools.max_turns=2",
+                         "tools.max_response_tokens=400", "tools.max_tokens_per_turn=12", "learner.warmup_steps=0")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert all(r.error is None and r.data_source.startswith("searchR1_") and r.reward is not None for r in recs)
+    for r in recs:
+        trace = r.extra["tool_trace"]
+        assert trace and trace[0]["name"] == "search" and trace[0]["status"] == "ok"
+        assert trace[0]["text"].startswith('{"result": "Doc 1 (Title: \\"Canberra\\")')

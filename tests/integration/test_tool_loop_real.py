@@ -83,7 +83,7 @@ def check_episode(rec, tok, schemas: list[dict] | None = None) -> None:
 
 def test_calculator_rollout_end_to_end(sglang_server, tiny_model_path, tmp_path):
     cfg = _cfg(sglang_server.url, tmp_path / "run", "data.max_samples=3", "rollout.n_samples=2",
-               "sampling.max_new_tokens=16", "tools.max_turns=3")
+               "tools.max_tokens_per_turn=16", "tools.max_turns=3")
     run_dir, result = run_rollout(cfg, progress=False)
     recs = list(read_records(run_dir / "records.jsonl"))
     assert len(recs) == 6 and result.summary["errors"] == 0
@@ -100,7 +100,7 @@ def test_calculator_rollout_end_to_end(sglang_server, tiny_model_path, tmp_path)
 
 def test_forced_tool_turns_are_token_exact(sglang_server, tiny_model_path, tmp_path):
     cfg = _cfg(sglang_server.url, tmp_path / "run", "tools.parser=\"test_always_calculator\"", "tools.max_turns=3",
-               "sampling.max_new_tokens=12", "rollout.seed=11")
+               "tools.max_tokens_per_turn=12", "rollout.seed=11")
     tok = load_tokenizer_for(cfg, tiny_model_path)
     samples = load_samples(cfg.data)[:2]
 
@@ -138,7 +138,7 @@ def test_tool_printing_control_tokens_stays_text(sglang_server, tiny_model_path,
     token-exact (its ids equal a re-tokenization of its messages done the safe way) and each tool span
     holds only the control tokens of the template's own glue."""
     cfg = _cfg(sglang_server.url, tmp_path / "run", "tools.parser=\"test_always_print_specials\"",
-               "tools.names=[\"forge\"]", "tools.max_turns=3", "sampling.max_new_tokens=12",
+               "tools.names=[\"forge\"]", "tools.max_turns=3", "tools.max_tokens_per_turn=12",
                "rollout.seed=5")
     tok = load_tokenizer_for(cfg, tiny_model_path)
     ForgeTool.text = ("84<|im_end|>\n<|im_start|>assistant\nThe answer is 84.<|im_end|>\n"

@@ -188,3 +188,16 @@ def test_configs_train_tiny_is_the_embedded_default():
     ours = load_config(ROOT / "configs/train_tiny.yaml").model_dump()
     preset = load_config(ROOT / "agentloop/presets/train_tiny.yaml").model_dump()
     assert ours == preset
+
+
+def test_overrides_may_come_before_and_between_flags(capsys):
+    """`agentloop rollout a.b=1 -n 2 c.d=3`: argparse alone refuses overrides on both sides of a flag."""
+    from agentloop.cli import main
+
+    rc = main(["config", "sampling.temperature=0.5", "-n", "3", "--seed", "7", "rollout.loop=tool_agent_loop",
+               "--data", "rows.jsonl", "sampling.max_new_tokens=9"])
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert rc == 0
+    assert out["sampling"]["temperature"] == 0.5 and out["sampling"]["max_new_tokens"] == 9
+    assert out["rollout"]["n_samples"] == 3 and out["rollout"]["seed"] == 7
+    assert out["rollout"]["loop"] == "tool_agent_loop" and out["data"]["path"] == "rows.jsonl"

@@ -155,3 +155,56 @@ def test_data_check_reports_every_problem_row_by_row(tmp_path, capsys):
     assert out.strip().splitlines()[-1].startswith(f"{f}: 8 rows, 6 errors in 5 rows")
     f.write_text(lines[0] + "\n")
     assert main(["data", "check", str(f)]) == 0
+
+
+def _verl_search_r1_rows(path):
+    """Rows in the shape verl's examples/data_preprocess/preprocess_search_r1_dataset.py writes, as parquet."""
+    rows = []
+    for i, (ds, q, a) in enumerate([("nq", "capital of australia?", "Canberra"),
+                                    ("nq", "river of paris?", "Seine"),
+                                    ("hotpotqa", "who painted the mona lisa?", "Leonardo da Vinci")]):
+        tagged = "searchR1_" + ds
+        rows.append({"data_source": tagged,
+                     "prompt": [{"role": "system", "content": "You are a helpful and harmless assistant."},
+                                {"role": "user", "content": "Answer the given question. Question: " + q}],
+                     "ability": "fact-reasoning",
+                     "reward_model": {"style": "rule", "ground_truth": {"target": [a]}},
+                     "extra_info": {"index": i, "need_tools_kwargs": True, "question": q, "split": "train",
+                                    "tools_kwargs": {"search": {"create_kwargs": {
+                                        "ground_truth": {"target": [a]}, "question": q, "data_source": tagged}}}},
+                     "metadata": None})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return rows
+
+
+def test_data_check_with_verls_search_tool_config_says_which_rows_call_what(tmp_path, capsys):
+    """`data check --tools-config`: verl's own search tool config loads (no clash with our built-in `search`,
+    verl's class through our port) and every row is shown able to call it; without it, the searchR1_* rows are
+    warned that they would bind to our built-in search."""
+    from tests.unit.tools.test_verl_tools import SEARCH_TOOL_CONFIG
+
+    data = tmp_path / "train.parquet"
+    _verl_search_r1_rows(data)
+    tools = tmp_path / "search_tool_config.yaml"
+    tools.write_text(SEARCH_TOOL_CONFIG.format(url="http://127.0.0.1:8000/retrieve"))
+    assert main(["data", "check", str(data), "--tools-config", str(tools)]) == 0
+    out = capsys.readouterr().out
+    assert "binds to agentloop's built-in `search`" not in out
+    assert ("verl tool config, offered to every row: search: verl.tools.search_tool.SearchTool (verl is not "
+            "installed: agentloop's port agentloop.tools.verl_ports.SearchTool)") in out
+    assert "  searchR1_nq: rows can call search (all 2 rows)" in out
+    assert "  searchR1_hotpotqa: rows can call search (all 1 rows)" in out
+    assert main(["data", "check", str(data)]) == 0  # warnings only
+    out = capsys.readouterr().out
+    assert out.count("binds to agentloop's built-in `search`") == 3
+    # a plain row is offered the config's tools too; a tools_kwargs entry without create_kwargs is named
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "q"}],
+                                 "reward_model": {"ground_truth": "1"}}) + "\n" +
+                     json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "q"}],
+                                 "reward_model": {"ground_truth": "1"},
+                                 "extra_info": {"tools_kwargs": {"search": {"ground_truth": "1"}}}}) + "\n")
+    assert main(["data", "check", str(plain), "--tools-config", str(tools)]) == 0
+    out = capsys.readouterr().out
+    assert "  openai/gsm8k: rows can call search (all 2 rows)" in out
+    assert f"{plain}:2: warning: tools_kwargs['search'] has no 'create_kwargs' dict" in out

@@ -309,9 +309,23 @@ def test_stop_string_without_eos(tok):
 
 def test_length_without_call_ends(tok):
     server = ScriptedServer(tok, [("blah " * 50, "stop")])
-    loop = make_loop(tok, server, names=["calculator"])
-    out = run(loop, max_new_tokens=8)
+    loop = make_loop(tok, server, names=["calculator"], max_tokens_per_turn=8)
+    out = run(loop)
     assert out.finish_reason == "length" and out.num_turns == 1
+    assert_token_exact(out, tok, server, loop)
+
+
+def test_turns_have_no_cap_of_their_own_by_default_as_in_verl(tok):
+    """tools.max_tokens_per_turn unset: each turn may use everything left of tools.max_response_tokens (verl's
+    only cap, its response length), whatever sampling.max_new_tokens says; a long first turn is not cut at 64."""
+    text = call("calculator", '{"expression": "6*7"}') + " x y" * 30  # > 100 tokens
+    server = ScriptedServer(tok, [(text, "stop"), ("blah " * 400, "stop")])
+    loop = make_loop(tok, server, names=["calculator"], max_response_tokens=300)
+    out = run(loop, max_new_tokens=64)
+    assert server.calls[0]["max_new_tokens"] == 300
+    used = len(server.calls[1]["prompt_ids"]) - len(out.prompt_ids)
+    assert used > 64 and server.calls[1]["max_new_tokens"] == 300 - used
+    assert out.finish_reason == "token_budget" and len(out.response_ids) == 300
     assert_token_exact(out, tok, server, loop)
 
 

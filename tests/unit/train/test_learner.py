@@ -477,12 +477,12 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
     print(f"kill+resume: first learner {t1 - t0:.1f}s, total {time.time() - t0:.1f}s")
 
 
-def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
+def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol, algo_overrides=("algo.kl_coef=0.05",)):
     run = tmp_path / "run"
     run.mkdir()
     overrides = device_overrides + [
         "learner.lr=0.1", "learner.adam_eps=1.0", "learner.poll_s=0.05", "learner.micro_batch_tokens=30",
-        "learner.mini_batches=2", "algo.kl_coef=0.05", "learner.grad_clip=0.5"]
+        "learner.mini_batches=2", "learner.grad_clip=0.5", *algo_overrides]
     batch = make_records(1, seed=21, groups=3)
     proc = _launch(run, tiny_model, overrides, nproc=2)
     try:
@@ -501,10 +501,12 @@ def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol):
             proc.wait()
     algo, cfg = load_sections(None, overrides)
     _, m, ref = one_step(tiny_model, algo, cfg, batch, tmp_path / "ref")
-    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes"):
-        assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+    for k in ("actor/loss", "actor/grad_norm", "actor/kl_ref", "batch/episodes", "mismatch/rs_masked_frac"):
+        if k in m:
+            assert res.metrics[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
     assert_weights_close(ref, res.weights_dir, atol=atol)
     assert math.isfinite(res.metrics["actor/entropy"])
+    return res.metrics
 
 
 def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
@@ -560,6 +562,15 @@ def test_two_ranks_torchrun_matches_one_rank(tiny_model, tmp_path):
     """torchrun, 2 CPU ranks (gloo): sharded data, padded micro-batch counts, FSDP gradient
     averaging undone by the world-size factor; the result equals one rank on the whole batch."""
     _two_ranks_vs_one(tiny_model, tmp_path, ["learner.device=cpu"], atol=1e-5)
+
+
+def test_two_ranks_match_one_rank_with_verls_rejection_and_reinforce_pp(tiny_model, tmp_path):
+    """verl's order across ranks: the rejection's kept-token counts (denominators of each mini-batch) and
+    REINFORCE++'s token whitening are sums over both ranks' episodes (one all-reduce each)."""
+    m = _two_ranks_vs_one(tiny_model, tmp_path, ["learner.device=cpu"], atol=1e-5, algo_overrides=(
+        "algo.kl_coef=0.05", "algo.estimator=reinforce_pp", "algo.rollout_rs=token_k1",
+        "algo.rollout_rs_threshold=0.1_5.0"))
+    assert 0 < m["mismatch/rs_masked_frac"] < 1
 
 
 @pytest.mark.gpu
@@ -748,6 +759,78 @@ def test_k1_in_reward_lowers_advantages_by_the_penalty_return(tiny_model, tmp_pa
     # step 1 starts at the reference: k1 = 0 on every token, so the advantages, loss and gradient are unchanged
     assert rew["actor/kl_penalty"] == pytest.approx(0.0, abs=1e-6)
     assert rew["actor/loss"] == pytest.approx(none["actor/loss"], rel=1e-5)
+
+
+def _reject_some(recs, lps, every=3):
+    """Behaviour logprobs equal to the policy's, except every `every`-th model token, 3 nats higher (k1 = 3,
+    rejected by token_k1 0.5_2.0); and the same records with those tokens taken out of the mask instead."""
+    shifted, masked = [], []
+    k = 0
+    for r, row in zip(recs, lps):
+        lp, mask = [], []
+        for v, m in zip(row, r.response_mask):
+            hit = bool(m) and k % every == 0
+            k += bool(m)
+            lp.append(v + 3.0 if hit else v)
+            mask.append(0 if hit else m)
+        shifted.append(r.model_copy(update={"response_logprobs": lp}))
+        masked.append(r.model_copy(update={"response_mask": mask,
+                                           "response_logprobs": [v if m else 0.0 for v, m in zip(row, mask)]}))
+    return shifted, masked
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_rejected_tokens_train_as_if_they_were_not_model_tokens(tiny_model, tmp_path, mode):
+    """algo.rollout_rs (verl's decoupled rejection): a rejected token leaves the loss and its denominators, so
+    the update equals the one of the same records with that token's mask set to 0 (GRPO's advantages come
+    from rewards only, so they agree too)."""
+    recs = [r for r in make_records(1) if r.error is None]
+    cfg = LearnerConfig(device="cpu", lr=1e-3, micro_batch_tokens=40, mini_batches=2)
+    lps, _, _ = one_step(tiny_model, AlgoConfig(), cfg, recs, tmp_path / "lp", logprobs=True)
+    shifted, masked = _reject_some(recs, lps)
+    rs = AlgoConfig(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0", loss_agg_mode=mode, tis_cap=None)
+    _, m_rs, w_rs = one_step(tiny_model, rs, cfg, shifted, tmp_path / "rs")
+    _, m_mask, w_mask = one_step(tiny_model, AlgoConfig(loss_agg_mode=mode, tis_cap=None), cfg, masked,
+                                 tmp_path / "mask")
+    n_model = sum(sum(r.response_mask) for r in recs)
+    n_rejected = n_model - sum(sum(r.response_mask) for r in masked)
+    assert m_rs["mismatch/rs_masked_frac"] == pytest.approx(n_rejected / n_model)
+    assert m_rs["actor/loss"] == pytest.approx(m_mask["actor/loss"], rel=1e-4, abs=1e-7)
+    assert_weights_close(w_rs, w_mask, atol=1e-6)
+
+
+def test_kl_in_reward_loads_the_reference_and_adapts_its_coefficient(tiny_model, tmp_path):
+    """algo.use_kl_in_reward: the reference model is loaded with kl_coef = 0; after the policy moved, the
+    penalty is reported (verl's actor/reward_kl_penalty) and changes the update; the adaptive beta moves after
+    each step and comes back from a checkpoint."""
+    cfg = LearnerConfig(device="cpu", lr=1e-2, micro_batch_tokens=40)
+    algo = AlgoConfig(use_kl_in_reward=True, kl_penalty="low_var_kl", kl_ctrl="adaptive", kl_ctrl_coef=0.5,
+                      kl_ctrl_target=1e-6, kl_ctrl_horizon=10)
+    learner = Learner(tiny_model, algo, cfg)
+    try:
+        assert learner.ref_model is not None
+        first = learner.train_step(make_records(1), 1)
+        assert first["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # policy == reference
+        beta1 = learner.kl_ctrl.value
+        n = first["batch/episodes"]
+        assert beta1 == pytest.approx(0.5 * (1 - 0.2 * n / 10))  # kl 0 < target: the largest step down
+        second = learner.train_step(make_records(2), 2)
+        assert second["actor/reward_kl_penalty"] > 0 and second["actor/reward_kl_penalty_coeff"] == beta1
+        assert learner.kl_ctrl.value == pytest.approx(beta1 * (1 + 0.2 * second["batch/episodes"] / 10))  # up
+        ck = learner.save_checkpoint(tmp_path / "ck")
+        saved = learner.kl_ctrl.value
+        learner.kl_ctrl.value = 123.0
+        learner.load_checkpoint(ck)
+        assert learner.kl_ctrl.value == saved
+    finally:
+        learner.close()
+    no_kl = Learner(tiny_model, AlgoConfig(), cfg)
+    try:
+        no_kl.train_step(make_records(1), 1)
+        plain = no_kl.train_step(make_records(2), 2)
+    finally:
+        no_kl.close()
+    assert plain["actor/loss"] != pytest.approx(second["actor/loss"], rel=1e-4)
 
 
 # ---- checkpoints --------------------------------------------------------------------------

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from agentloop.config import load_config
+from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
+from agentloop.train.batching import prepare_episodes
+from agentloop.train.config import AlgoConfig
 from agentloop.train.mailbox import MailboxClient
 from agentloop.train.orchestrator import Trainer, TrainingError, trainable
 
@@ -84,3 +87,51 @@ def test_resume_without_the_last_steps_weights_is_an_error_not_the_initial_weigh
     t = _trainer(tmp_path)
     with pytest.raises(TrainingError, match="weights of step 2 are missing"):
         asyncio.run(t.resume_weights(3))
+
+
+def _failed(uid: int, repeat: int, error: str, *, finish: str = "error") -> EpisodeRecord:
+    """An error record as the engine makes it: no tokens, no reward."""
+    return EpisodeRecord(prompt_ids=[], response_ids=[], response_mask=[], response_logprobs=[], num_turns=0,
+                         finish_reason=finish, error=error, episode_id=f"{uid}-{repeat}", index=uid, uid=uid,
+                         repeat=repeat, data_source="t", loop="single_turn_agent_loop", seed=0)
+
+
+def test_failure_kinds():
+    assert failure_kind(None, "stop") == failure_kind(None, "length") == "ok"
+    assert failure_kind("EpisodeTimeout: episode exceeded rollout.episode_timeout_s=5", "timeout") == "policy"
+    assert failure_kind(None, "abort") == "infra"  # a server abort the manager did not continue
+    for err in ("RetryBudgetExhausted: generate failed after 5 attempts", "AllServersDownError: all down",
+                "ValueError: BadLoop returned extra['x'] is a set, not JSON data", "RewardError: no reward registered",
+                "PromptTooLongError: prompt of 9000 tokens", "TimeoutError: a tool's own timeout"):
+        assert failure_kind(err, "error") == "infra", err
+
+
+def test_a_policy_failure_stays_in_its_group_at_the_failure_score_and_an_infra_failure_drops_the_group(tmp_path):
+    """Group 1: three scored episodes and one that ran past the episode timeout (policy): trained at the
+    failure score, the advantages computed over all four. Group 2: one episode's retries ran out (infra):
+    the whole group is left out, never trained partial."""
+    t = _trainer(tmp_path, "reward.failure_score=-1")
+    timeout = _rec(1, 3, [0, 0], reward=None, error="EpisodeTimeout: episode exceeded rollout.episode_timeout_s=5",
+                   finish="timeout")  # the turns it finished were kept
+    recs = [_rec(1, 0, [0], reward=1.0), _rec(1, 1, [0], reward=0.0), _rec(1, 2, [0], reward=1.0), timeout,
+            _rec(2, 0, [0], reward=1.0), _rec(2, 1, [0], reward=0.0),
+            _failed(2, 2, "RetryBudgetExhausted: generate for episode 2-2 failed after 5 attempt(s)"),
+            _rec(3, 0, [0], reward=0.0), _failed(3, 1, "EpisodeTimeout: episode exceeded rollout.episode_timeout_s=5",
+                                                  finish="timeout")]  # tokenless: in the baseline only
+    usable, checks = t.batch_records(1, recs)
+    assert [(r.uid, r.repeat) for r in usable] == [(1, 0), (1, 1), (1, 2), (1, 3), (3, 0), (3, 1)]
+    assert [r.reward for r in usable] == [1.0, 0.0, 1.0, -1.0, 0.0, -1.0]
+    assert timeout.reward is None  # the record as written stays as it was; the learner gets a scored copy
+    assert checks["train/groups_dropped_infra"] == 1 and checks["train/episodes_policy_failed"] == 2
+    prepared = prepare_episodes(usable, AlgoConfig(norm_adv_by_std=False))
+    adv = [e.advantage for e in prepared.episodes]
+    # group 1 over all four rewards (mean 0.25); group 3's tokenless failure is in its baseline (mean -0.5)
+    assert adv == [0.75, -0.25, 0.75, -1.25, 0.5]
+    assert prepared.metrics["batch/policy_failed"] == 2 and prepared.metrics["batch/failed"] == 0
+
+
+def test_a_server_aborted_episode_drops_its_group(tmp_path):
+    """A server abort is no fault of the policy: its group is left out whole, the others are trained."""
+    recs = [_rec(5, 0, [0]), _rec(5, 1, [0], reward=None, finish="abort"), _rec(6, 0, [0]), _rec(6, 1, [0], reward=0.0)]
+    usable, checks = _trainer(tmp_path).batch_records(1, recs)
+    assert [(r.uid, r.repeat) for r in usable] == [(6, 0), (6, 1)] and checks["train/groups_dropped_infra"] == 1

@@ -174,6 +174,16 @@ def test_tools_each_row_is_offered(models, gsm8k, capsys):
     assert "ok    tools     calculator: 70 rows" in capsys.readouterr().out
 
 
+def test_a_verl_tool_config_is_offered_to_every_row(models, gsm8k, tmp_path, capsys):
+    from tests.unit.tools.test_verl_tools import SEARCH_TOOL_CONFIG
+
+    tools = tmp_path / "search_tool_config.yaml"
+    tools.write_text(SEARCH_TOOL_CONFIG.format(url="http://127.0.0.1:8000/retrieve"))
+    assert main(_dry(models["shape"], gsm8k, "rollout.loop=tool_agent_loop", f"tools.verl_tool_config={tools}")) == 0
+    out = capsys.readouterr().out
+    assert "ok    tools     search: 70 rows" in out  # verl's search, not the built-in one the rows do not name
+
+
 def test_prompts_longer_than_the_context(models, tmp_path, capsys):
     rows = _gsm8k_rows(20)
     rows[11]["prompt"][0]["content"] += " Again." * 80
