@@ -10,6 +10,9 @@ starts the learner by command line (learner_process) and talks to it through fil
     served_model what the servers serve against model.path, before step 1 (orchestrator side)
     model_support  which models the learner runs exactly, from the config alone: refusals and the head
                  transform (soft cap, logit scale) it applies (both sides; no torch)
+    preflight    the checks of `agentloop train --dry-run` and of every run's start (data, rewards, chat
+                 template, prompts, model, tools, memory) and the GPU-sized defaults (orchestrator side)
+    plan         the GPU memory plan: learner peak, server KV pool, placement (pure numbers, no torch)
     learner_process  LearnerProcess + learner_command: the learner as a child process group
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
     flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput
