@@ -10,7 +10,6 @@ Map:
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
     AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
-
     ClusterConfig      the GPUs a training run plans for (`agentloop train --dry-run` can plan for absent ones)
     Config             the root; `load_config(path, overrides)` builds it
     validate_for_training  the rules that hold only when rollouts train a policy (`agentloop train`):
@@ -347,7 +346,6 @@ class Config(Section):
     """Your own agent, run by openai_agent_loop (entry function or command) against the gateway."""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     """The OpenAI/Anthropic-compatible HTTP gateway openai_agent_loop serves agents through."""
-
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The GPUs a training run plans its memory for (None: the visible ones)."""
 

@@ -165,7 +165,7 @@ def test_rows_calling_an_unknown_tool(models, gsm8k, tmp_path, capsys):
     data = (_write(tmp_path / "train.jsonl", rows), gsm8k[1])
     assert main(_dry(models["shape"], data, "rollout.loop=tool_agent_loop", "tools.names=[calculator]")) == 2
     out = capsys.readouterr().out
-    assert f"FAIL  tools     1 tool set(s) cannot be built" in out
+    assert "FAIL  tools     1 tool set(s) cannot be built" in out
     assert f"training row 3 of {data[0]}" in out and "unknown tool 'web_browser'" in out
 
 
