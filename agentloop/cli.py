@@ -4,10 +4,12 @@
                   no --config: the main job (agentloop/presets/rollout_main.yaml): the shipped warm-started
                   tiny model on the calculator set with the calculator tool; --random-model: the random
                   tiny model on the arithmetic set (the plumbing run, configs/rollout.yaml)
-    agentloop train [--config F] [same flags] [--val-data FILE] [--force]
+    agentloop train [--config F] [same flags] [--val-data FILE] [--force] [--dry-run]
                   GRPO (embedded default: agentloop/presets/train_tiny.yaml); --data trains on a file (validation:
                   --val-data, else a slice held out of it); --run-dir of an existing run resumes it with its
                   saved config.yaml plus the values given now (model, data, algo.*, learner.* changes need --force)
+                  --dry-run: the preflight every run makes (data, rewards, template, prompts, model, tools, GPU
+                  memory plan), nothing started
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
     agentloop bench gateway [...same flags...] [--bench-prompts N] [--bench-samples K] [--bench-rounds R]
@@ -164,6 +166,11 @@ def make_parser() -> argparse.ArgumentParser:
     _common(t)
     _val_data(t)
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check everything without starting servers or the learner, in seconds: the data, a reward "
+                        "per data_source, the chat template, the prompts' lengths, the model, the tools, the GPU "
+                        "memory plan (plan for GPUs this machine lacks with cluster.gpu_memory_gib=G "
+                        "cluster.num_gpus=N); exit 2 naming what is wrong")
     t.add_argument("--force", action="store_true",
                    help="resume an existing --run-dir although the model, the data or an algo.*/learner.* field "
                         "changed (the old config is kept as config.prev.yaml), or although the training rows "
@@ -468,6 +475,11 @@ def _dispatch(args: argparse.Namespace) -> int:
                   f"{result.summary.get('not_started', 0)} never started; records: {run_dir / 'records.jsonl'}",
                   file=sys.stderr)
             return 1
+        return 0
+    if args.command == "train" and args.dry_run:
+        from agentloop.train.orchestrator import dry_run
+
+        dry_run(cfg)
         return 0
     if args.command == "train":
         from agentloop.train.orchestrator import run_train

@@ -9,8 +9,9 @@ Map:
     DataConfig         where rows come from
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
-    ClusterConfig      where a training run's servers and learner run: this host, or a Ray cluster
     AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
+    ClusterConfig      where a training run's servers and learner run (this host, or a Ray cluster), and the GPUs
+                       it plans for (`agentloop train --dry-run` can plan for absent ones)
     Config             the root; `load_config(path, overrides)` builds it
     validate_for_training  the rules that hold only when rollouts train a policy (`agentloop train`):
                        one temperature for sampler and learner, no greedy, no truncated sampling
@@ -73,9 +74,12 @@ class ServerConfig(Section):
     base_port: int = Field(default=0, ge=0, le=65535)
     """First port for local servers; 0 picks free ports."""
     max_total_tokens: int | None = Field(default=16384, ge=256)
-    """KV-cache pool size in tokens for local servers (SGLang's default sizing takes ~15 GB on CPU)."""
+    """KV-cache pool size in tokens for local servers (SGLang's default sizing takes ~15 GB on CPU). On CUDA
+    `agentloop train` leaves the pool to the memory plan (None) unless this is set."""
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
-    """GPU memory fraction for weights + KV cache on local CUDA servers (None: SGLang's default)."""
+    """GPU memory fraction for weights + KV cache on local CUDA servers. None: `agentloop train` plans it
+    (agentloop.train.plan: next to the learner on a shared GPU, the weights and the KV of the episodes in
+    flight; alone on a GPU, SGLang's own sizing), `agentloop rollout` leaves it to SGLang."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed verbatim to `sglang.launch_server`."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
@@ -299,7 +303,14 @@ class TrainConfig(Section):
 
 
 class ClusterConfig(Section):
-    """Where `agentloop train` runs its servers and learner (README, "Beyond one machine")."""
+    """Where `agentloop train` runs its servers and learner (README, "Beyond one machine"), and the GPUs it plans
+    its memory for (agentloop.train.plan)."""
+
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+    """Plan for GPUs of this size (GiB each, e.g. 80 for an H100), also on a machine without a GPU
+    (`agentloop train --dry-run` on a CPU box). None: the visible GPUs, by their free memory at start."""
+    num_gpus: int | None = Field(default=None, ge=1)
+    """Plan for this many GPUs. None: the visible ones (1 when gpu_memory_gib is set and none is visible)."""
 
     backend: Literal["local", "ray"] = "local"
     """local: servers and learner on this host (or the learner over several hosts with torchrun's rendezvous,
@@ -378,7 +389,8 @@ class Config(Section):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     """The OpenAI/Anthropic-compatible HTTP gateway openai_agent_loop serves agents through."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    """Where a training run's servers and learner run (this host, or a Ray cluster)."""
+    """Where a training run's servers and learner run (this host, or a Ray cluster) and the GPUs it plans its
+    memory for (None: the visible ones)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

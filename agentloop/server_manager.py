@@ -572,6 +572,15 @@ class ServerManager:
         info = await self._get_ok(self.urls[idx], "/model_info", timeout or self.cfg.health_timeout_s)
         return info if isinstance(info, dict) else None
 
+    async def server_info(self, idx: int, timeout: float | None = None) -> dict[str, Any] | None:
+        """The server's state and settings (GET /server_info, older SGLang /get_server_info: its arguments and
+        each scheduler's internal state, max_total_num_tokens among them), None when it does not say."""
+        for path in ("/server_info", "/get_server_info"):
+            info = await self._get_ok(self.urls[idx], path, timeout or self.cfg.health_timeout_s)
+            if isinstance(info, dict):
+                return info
+        return None
+
     async def reported_version(self, idx: int) -> int | None:
         """The weight version the server says it serves (GET /model_info), None when it does not say."""
         info = await self.model_info(idx)

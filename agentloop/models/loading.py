@@ -38,8 +38,12 @@ def load_tokenizer_for(cfg: Config, model_path: Path) -> Any:
             tok = AutoTokenizer.from_pretrained(str(tok_path))
     except Exception as e:  # re-raised with the path named
         raise ConfigError(f"cannot load a tokenizer from {str(tok_path)!r}: {e}") from e
-    if getattr(tok, "chat_template", None) is None:
-        raise ConfigError(f"tokenizer at {str(tok_path)!r} has no chat_template")
+    if getattr(tok, "chat_template", None) is None and cfg.data.apply_chat_template:
+        # a base model's tokenizer: fine when prompts are sent as written (TinyZero's raw prompts)
+        raise ConfigError(f"tokenizer at {str(tok_path)!r} has no chat_template, and data.apply_chat_template=true "
+                          "renders every prompt with one: set model.tokenizer_path to a tokenizer that has one (e.g. "
+                          "the instruct model's), or set data.apply_chat_template=false to send each row's single "
+                          "text message as is (a base model)")
     ctx = cfg.model.context_length
     if ctx is None:
         try:

@@ -20,6 +20,9 @@ and talks to it through the learner handle (handle: the protocol; mailbox: its f
                  the orchestrator, in a compact binary form (TrainBatch, prepare_batch)
     model_support  which models the learner runs exactly, from the config alone: refusals and the head
                  transform (soft cap, logit scale) it applies (both sides; no torch)
+    preflight    the checks of `agentloop train --dry-run` and of every run's start (data, rewards, chat
+                 template, prompts, model, tools, memory) and the GPU-sized defaults (orchestrator side)
+    plan         the GPU memory plan: learner peak, server KV pool, placement (pure numbers, no torch)
     config       AlgoConfig (what is optimised), LearnerConfig (how): mounted as Config.algo / Config.learner
     flops        the FLOP model (MFU, the cost of a shared-prompt row) and GPUs' peak throughput
     advantages   estimator registry (grpo, rloo, reinforce_pp) + compute_advantages
@@ -45,7 +48,7 @@ and talks to it through the learner handle (handle: the protocol; mailbox: its f
 Sides (checked by tests/unit/test_layout.py): a module of one side never imports a module of the other; the
 modules not named are shared (the orchestrator imports torch, CPU only, for batch_plan's advantages).
     side          modules
-    orchestrator  orchestrator schedule cursor resume served_model backend learner_process weight_transport
+    orchestrator  orchestrator schedule cursor resume served_model backend learner_process weight_transport preflight
     learner       learner verl_order attention checkpoint
 
 May import: every layer below it (rollout, report, models, loops, data, rewards, tools, inference,

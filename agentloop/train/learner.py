@@ -662,6 +662,7 @@ class Learner:
         metrics["perf/tokens_per_s"] = episode_tokens * cfg.ppo_epochs / max(t3 - t0, 1e-9)
         if self.device_type == "cuda":
             metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["perf/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         from agentloop.train.flops import step_flops_from_sums
 
         hf = self.hf_config

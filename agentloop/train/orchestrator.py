@@ -79,6 +79,7 @@ from agentloop.train.batch_plan import BatchLayout, prepare_batch
 from agentloop.train.cursor import DataCursor
 from agentloop.train.handle import LearnerError, LearnerHandle, UpdateResult
 from agentloop.train.model_support import require_model_support
+from agentloop.train.preflight import Preflight, plan_summary, run_preflight, say_lines, served_kv_tokens
 from agentloop.train.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.served_model import align_served_weights, check_served_model
 from agentloop.train.weight_transport import ServerHalf, Stage, same_path, server_half
@@ -478,15 +479,17 @@ def load_data(cfg: Config) -> TrainData:
 
 
 async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None, *,
-                      force: bool = False, backend: Backend | None = None) -> dict[str, Any]:
+                      force: bool = False, model_path: Path | None = None,
+                      backend: Backend | None = None) -> dict[str, Any]:
     """The run; `data` as `load_data(cfg)` made it (loaded here when None). `force`: go on from a checkpoint
-    whose data position was stored for other training rows (`agentloop train --force`). `backend`: where the
-    servers and the learner run (default: this host, agentloop.train.backend.LocalBackend)."""
+    whose data position was stored for other training rows (`agentloop train --force`). `model_path`: as
+    the preflight resolved it (None: resolved here). `backend`: where the servers and the learner run (default:
+    this host, agentloop.train.backend.LocalBackend)."""
     loop_cls = get_agent_loop(cfg.rollout.loop)
     data = data if data is not None else load_data(cfg)
     train_samples, val_samples = data.train, data.val
     scorer = Scorer(cfg, on_note=lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True))
-    model_path = resolve_train_model(cfg)
+    model_path = model_path if model_path is not None else resolve_train_model(cfg)
     # refused before anything starts when the learner cannot run the model exactly (it checks again itself)
     support = require_model_support(model_path, max_len=cfg.model.context_length)
     tokenizer = load_tokenizer_for(cfg, model_path)
@@ -496,6 +499,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     pool = backend.server_pool(cfg, model_path, run_dir)
     learner = backend.learner(cfg, run_dir, model_path)
     final: dict[str, Any] = {"run_dir": str(run_dir), "model": str(model_path)}
+    kv_tokens: list[int | None] = []
     sched = (f"async, max_staleness {cfg.train.max_staleness}, interrupt {cfg.train.interrupt}"
              if cfg.train.schedule == "async" else "sync")
     print(f"agentloop train: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x "
@@ -509,6 +513,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                            on_event=lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True),
                            cache_salt=interrupt_policy(cfg.train.interrupt).cache_salt) as sm:
             served = await check_served_model(sm, model_path)  # the servers serve model.path, or an error now
+            kv_tokens = await served_kv_tokens(sm) if (run_dir / "plan.json").is_file() else []
             try:
                 info = await learner.wait_ready(cfg.train.learner_ready_timeout_s)
             except AgentLoopError as e:
@@ -568,6 +573,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             await backend.close()
     final["curves"] = str(log.curves())
     final["metrics"] = log.rows[-1] if log.rows else {}
+    final["plan"] = plan_summary(run_dir, log.rows, kv_tokens)  # the GPU plan next to what was measured
     write_json(run_dir / "train_summary.json", final)
     return final
 
@@ -593,9 +599,10 @@ def resolve_learner_defaults(cfg: Config) -> None:
         cfg.learner.total_steps = cfg.train.steps
 
 
-def run_train(cfg: Config, *, force: bool = False, backend: Backend | None = None) -> tuple[Path, dict[str, Any]]:
-    """`agentloop train`: check the config, load the data, make the run dir (config.yaml: the config as
-    resolved, data included), run. `force`, `backend`: see `train_async`."""
+def prepare_train(cfg: Config, *, dry_run: bool = False) -> tuple[Path, Preflight]:
+    """Check the config and run the preflight (agentloop.train.preflight): data, rewards, template, prompts,
+    model, tools, the GPU memory plan; on CUDA the unset keys it sizes are set in `cfg`. Nothing is started.
+    Returns (the model directory, the preflight); the caller prints it and raises on its failures."""
     from agentloop.rollout.run import load_plugins
 
     validate_for_training(cfg)
@@ -603,6 +610,27 @@ def run_train(cfg: Config, *, force: bool = False, backend: Backend | None = Non
     require_isolation(cfg.tools.python, "agentloop train")
     load_plugins(cfg)
     resolve_learner_defaults(cfg)
-    data = load_data(cfg)  # bad rows fail before anything starts; the held-out slice is in config.yaml
+    model_path = resolve_train_model(cfg)
+    return model_path, run_preflight(cfg, model_path, dry_run=dry_run)
+
+
+def dry_run(cfg: Config) -> Preflight:
+    """`agentloop train --dry-run`: the preflight's lines on stdout; ConfigError when a check failed."""
+    _, pre = prepare_train(cfg, dry_run=True)
+    say_lines(pre, print, "agentloop train --dry-run: preflight, nothing started")
+    pre.raise_for_failures()
+    print(f"agentloop train --dry-run: all {len(pre.checks)} checks passed")
+    return pre
+
+
+def run_train(cfg: Config, *, force: bool = False, backend: Backend | None = None) -> tuple[Path, dict[str, Any]]:
+    """`agentloop train`: the preflight (bad rows, a missing reward or a plan that does not fit fail before
+    anything starts), the run dir (config.yaml: the config as resolved, data and the plan's keys included;
+    plan.json: the GPU plan), the run. `force`, `backend`: see `train_async`."""
+    model_path, pre = prepare_train(cfg)
+    say_lines(pre, lambda line: print(line, file=sys.stderr, flush=True), "agentloop train: preflight")
+    pre.raise_for_failures()
     run_dir = make_run_dir(cfg)
-    return run_dir, run_async(train_async(cfg, run_dir, data, force=force, backend=backend))
+    pre.save(run_dir)
+    return run_dir, run_async(train_async(cfg, run_dir, pre.data, force=force, model_path=model_path,
+                                          backend=backend))

@@ -236,7 +236,7 @@ def test_one_training_step_on_segmented_episodes(warm, tmp_path):
         run_dir, final = run_train(load_config(None, [
             f"server.urls=[\"{url}\"]", f"model.path=\"{model}\"", f"run_dir=\"{tmp_path / 'run'}\"",
             "rollout.loop=openai_agent_loop", f"agent.entry=\"{AGENTS}:compaction_agent\"",
-            "train.builtin=calculator_train", "train.steps=1", "train.prompts_per_step=4", "rollout.n_samples=2",
+            "data.builtin=calculator_train", "train.steps=1", "train.prompts_per_step=4", "rollout.n_samples=2",
             "train.val_every=0", "sampling.max_new_tokens=48", "train.tensorboard=false", "learner.lr=1e-4"]))
     finally:
         asyncio.run(_load(url, str(model)))

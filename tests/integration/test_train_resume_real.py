@@ -142,11 +142,21 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
     # A reward with variance on a random model, so GRPO advantages (and weight changes) are non-zero.
     # While `stall` exists it blocks the orchestrator from its (2 * PROMPTS * SAMPLES + 2)th call on,
     # i.e. after step 3's first record: the first kill then finds step 3's rollouts half written.
+    # The count lives in a file under a lock: rewards run in a pool of worker processes (reward.workers).
+    counter = tmp_path / "calls"
     plugin.write_text(
-        "import os, time\n_calls = [0]\n\n"
+        "import fcntl, os, time\n\n"
+        "def _count():\n"
+        f"    with open({str(counter)!r}, 'a+') as fh:\n"
+        "        fcntl.flock(fh, fcntl.LOCK_EX)\n"
+        "        fh.seek(0)\n"
+        "        n = int(fh.read() or 0) + 1\n"
+        "        fh.seek(0)\n"
+        "        fh.truncate()\n"
+        "        fh.write(str(n))\n"
+        "        return n\n\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    _calls[0] += 1\n"
-        f"    if _calls[0] > {2 * PROMPTS * SAMPLES + 1} and os.path.exists({str(stall)!r}):\n"
+        f"    if _count() > {2 * PROMPTS * SAMPLES + 1} and os.path.exists({str(stall)!r}):\n"
         "        time.sleep(120)\n"
         "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
     stall.touch()
@@ -154,7 +164,8 @@ def test_train_killed_and_resumed_loses_and_repeats_nothing(sglang_server, tiny_
                  "train.val_every=0", "sampling.max_new_tokens=6", "learner.lr=0.001",
                  "reward.custom=" + json.dumps(f"{plugin}:compute_score"),
                  "learner.checkpoint_every=1", "learner.keep_checkpoints=2", "train.tensorboard=false",
-                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300", "train.schedule=sync"]
+                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300", "train.schedule=sync",
+                 "reward.timeout_s=600"]
     cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
            "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
            *overrides]
