@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command setup on a fresh machine: a virtualenv in .venv with agentloop, sglang 0.5.23
-# (CPU engine usable; torch comes with it) and the test tools, then the tiny model built once.
+# (CPU engine usable; torch comes with it), Ray (the ray extra: cluster.backend=ray and its tests) and the
+# test tools (pytest, ruff), then the tiny model built once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -39,6 +40,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # --no-cache-dir: a wheel cache would hold a second copy of several GB of wheels.
 .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
-.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev]"
-.venv/bin/python -c "import sglang, torch, agentloop; print('agentloop', agentloop.__version__, '| sglang', sglang.__version__, '| torch', torch.__version__)"
+.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev,ray]"
+.venv/bin/python -c "import sglang, torch, ray, agentloop; print('agentloop', agentloop.__version__, '| sglang', sglang.__version__, '| torch', torch.__version__, '| ray', ray.__version__)"
 .venv/bin/agentloop build-model
