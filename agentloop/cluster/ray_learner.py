@@ -232,7 +232,10 @@ class RayLearner(LearnerHandle):
     """The orchestrator's side (module doc)."""
 
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path, *, run: str, gpus: float,
-                 placement_group: Any = None, poll_s: float = 0.1):
+                 placement_group: Any = None, poll_s: float = 0.1, rank_cls: type = LearnerRank,
+                 rank_kwargs: dict[str, Any] | None = None):
+        """`rank_cls` (with `rank_kwargs`): the rank actor's class, LearnerRank (a scripted one in the handle's
+        contract tests)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = model_path
@@ -242,6 +245,8 @@ class RayLearner(LearnerHandle):
         self.learner_dir = cfg.cluster.learner_dir or str(run_dir)
         self.poll_s = poll_s
         self.placement_group = placement_group
+        self.rank_cls = rank_cls
+        self.rank_kwargs = dict(rank_kwargs or {})
         self._own_pg = False
         self.ranks: list[Any] = []
         self.runs: list[Any] = []
@@ -262,11 +267,11 @@ class RayLearner(LearnerHandle):
                                                    name=f"{self.run}-learner")
             self._own_pg = True
         await asyncio.wait_for(self.placement_group.ready(), self.cfg.train.learner_ready_timeout_s)
-        remote = ray.remote(max_concurrency=16)(LearnerRank)
+        remote = ray.remote(max_concurrency=16)(self.rank_cls)
         for r in range(self.world):
             opts = actor_options(c, self.gpus, name=f"{self.run}-learner-rank{r}", resources={},
                                  placement_group=self.placement_group, bundle=r)
-            self.ranks.append(remote.options(**opts).remote(self.run, r))
+            self.ranks.append(remote.options(**opts).remote(self.run, r, **self.rank_kwargs))
         master = await self.ranks[0].address.remote()
         config_yaml = (self.run_dir / "config.yaml").read_text()
         self.runs = [rank.run_loop.remote(self.world, master, self.learner_dir, str(self.model_path), config_yaml,

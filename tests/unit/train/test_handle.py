@@ -1,6 +1,7 @@
 """The learner handle's contract (agentloop.train.handle), the same tests for every carrier: the orchestrator's
 side (LearnerHandle) against a scripted learner that speaks only the learner's side (LearnerInbox). Files: the
-mailbox (FileLearner + LearnerMailbox); Ray: tests/integration/test_ray_cluster.py runs these against RayLearner.
+mailbox (FileLearner + LearnerMailbox, the learner in a thread); Ray: RayLearner with a scripted rank actor
+(RayInbox) on a local Ray instance (marker `ray`; the real learner on Ray: tests/integration/test_ray_cluster.py).
 """
 
 from __future__ import annotations
@@ -74,36 +75,97 @@ def scripted_learner(inbox: LearnerInbox, weights_root: Path, *, push: bool = Fa
 
 
 class FileCarrier:
-    """The file mailbox: FileLearner on the orchestrator's side, LearnerMailbox on the learner's."""
+    """The file mailbox: FileLearner on the orchestrator's side, LearnerMailbox on the learner's (in a thread)."""
 
     def __init__(self, tmp_path: Path):
         self.run_dir = tmp_path
 
-    def pair(self) -> tuple[LearnerHandle, LearnerInbox, Path]:
-        return (FileLearner(self.run_dir, poll_s=0.01), LearnerMailbox(self.run_dir, heartbeat_s=0.05),
-                self.run_dir / "weights")
+    def run(self, body, **learner_kw) -> tuple[Any, list[Any]]:
+        handle, inbox = FileLearner(self.run_dir, poll_s=0.01), LearnerMailbox(self.run_dir, heartbeat_s=0.05)
+        seen: list[Any] = []
+        th = threading.Thread(target=scripted_learner, args=(inbox, self.run_dir / "weights"),
+                              kwargs={**learner_kw, "seen": seen}, daemon=True)
+
+        async def main():
+            await handle.start()
+            th.start()
+            try:
+                return await asyncio.wait_for(body(handle), 30)
+            finally:
+                await handle.stop()
+                th.join(10)
+                await handle.close()
+
+        return asyncio.run(main()), seen
 
 
-@pytest.fixture(params=["files"])
+def scripted_rank():
+    """A rank actor class running the scripted learner on its RayInbox, where LearnerRank runs the real loop (a
+    LearnerRank otherwise: the orchestrator's calls are answered as in a run)."""
+    from agentloop.cluster.ray_learner import LearnerRank
+
+    class ScriptedRank(LearnerRank):
+        def __init__(self, run: str, rank: int, **learner_kw: Any):
+            super().__init__(run, rank)
+            self.kw, self.seen_ = learner_kw, []
+
+        def address(self) -> tuple[str, int]:
+            return "127.0.0.1", 0
+
+        def run_loop(self, world, master, learner_dir, model_path, config_yaml, resume, max_len) -> int:
+            scripted_learner(self.inbox, Path(learner_dir) / "weights", **self.kw, seen=self.seen_)
+            return 0
+
+        def seen(self) -> list[Any]:
+            return self.seen_
+
+    return ScriptedRank
+
+
+class RayCarrier:
+    """RayLearner with scripted rank actors on a local Ray instance."""
+
+    def __init__(self, tmp_path: Path):
+        self.run_dir = tmp_path
+
+    def run(self, body, **learner_kw) -> tuple[Any, list[Any]]:
+        from agentloop.cluster.ray_learner import RayLearner
+        from agentloop.config import dump_config, load_config
+
+        cfg = load_config(None, ["cluster.backend=ray"])
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        handle = RayLearner(cfg, self.run_dir, Path("/unused"), run=f"t-{self.run_dir.name}", gpus=0, poll_s=0.02,
+                            rank_cls=scripted_rank(), rank_kwargs=learner_kw)
+
+        async def main():
+            await handle.start()
+            try:
+                out = await asyncio.wait_for(body(handle), 60)
+                return out, await handle.ranks[0].seen.remote()
+            finally:
+                await handle.close()
+
+        return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray", reason="the Ray carrier needs `pip install 'agentloop[ray]'`")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="agentloop-tests")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(params=["files", pytest.param("ray", marks=pytest.mark.ray)])
 def carrier(request, tmp_path):
+    if request.param == "ray":
+        request.getfixturevalue("local_ray")
+        return RayCarrier(tmp_path)
     return FileCarrier(tmp_path)
 
 
 def run_with(carrier, body, **learner_kw):
-    handle, inbox, weights = carrier.pair()
-    th = threading.Thread(target=scripted_learner, args=(inbox, weights), kwargs=learner_kw, daemon=True)
-
-    async def main():
-        await handle.start()
-        th.start()
-        try:
-            return await asyncio.wait_for(body(handle), 30)
-        finally:
-            await handle.stop()
-            th.join(10)
-            await handle.close()
-
-    return asyncio.run(main())
+    return carrier.run(body, **learner_kw)
 
 
 def batch(step: int):
@@ -111,8 +173,6 @@ def batch(step: int):
 
 
 def test_steps_go_in_and_updates_come_back_with_their_weights(carrier):
-    seen: list[Any] = []
-
     async def body(h: LearnerHandle):
         info = await h.wait_ready(10)
         assert (info.next_step, info.resumed_step, info.world_size) == (1, None, 1)
@@ -132,15 +192,13 @@ def test_steps_go_in_and_updates_come_back_with_their_weights(carrier):
         await h.stop(final=True)
         return out, await h.wait_final(10)
 
-    (u1, u2), final = run_with(carrier, body, seen=seen)
+    ((u1, u2), final), seen = run_with(carrier, body)
     assert u1.weights_dir.endswith("step-000001") and u2.metrics == {"episodes": 12.0}
     assert seen == [(1, 12, {"next": 1}), (2, 12, {"next": 2})]
     assert final.step == 2 and final.weights_dir.endswith("step-000002") and final.checkpoint == "/ck/last"
 
 
 def test_a_pushing_learner_asks_for_paused_servers_and_gets_the_order(carrier):
-    seen: list[Any] = []
-
     async def body(h: LearnerHandle):
         await h.wait_ready(10)
         await h.submit(1, batch(1))
@@ -149,7 +207,7 @@ def test_a_pushing_learner_asks_for_paused_servers_and_gets_the_order(carrier):
         await h.allow_sync(1, PushOrder(1, ("http://s0", "http://s1"), "retract"))
         return await h.wait_update(1, 10)
 
-    upd = run_with(carrier, body, push=True, seen=seen)
+    upd, seen = run_with(carrier, body, push=True)
     assert upd.pushed and upd.weights is None
     assert seen[1] == PushOrder(1, ("http://s0", "http://s1"), "retract")
 
@@ -164,5 +222,5 @@ def test_a_failed_step_and_a_silent_learner_are_errors_not_hangs(carrier):
             await h.wait_update_or_sync(1, 10)
         return ei.value
 
-    err = run_with(carrier, body, fail_at=1)
+    err, _ = run_with(carrier, body, fail_at=1)
     assert err.step == 1 and "ValueError: boom in the step" in err.traceback
