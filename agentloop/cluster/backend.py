@@ -69,7 +69,8 @@ class RayBackend(Backend):
         c = cfg.cluster
         gpus = c.server_gpus if c.server_gpus is not None else (
             (0.5 if c.colocate else 1.0) if self._uses_cuda(cfg.server.device) else 0.0)
-        return RayServerPool(cfg.server, c, model_path, self.run_name(run_dir), gpus=gpus, placement_group=self._pg())
+        return RayServerPool(cfg.server, c, model_path, self.run_name(run_dir), gpus=gpus, placement_group=self._pg(),
+                             stage_timeout_s=cfg.manager.admin_timeout_s)
 
     def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
         c = cfg.cluster

@@ -108,13 +108,17 @@ class RayServerPool(ServerPool):
     ranks (server i in bundle i)."""
 
     def __init__(self, server_cfg: ServerConfig, cluster: ClusterConfig, model_path: Path, run: str, *,
-                 gpus: float, placement_group: Any = None):
+                 gpus: float, placement_group: Any = None, stage_timeout_s: float = 600.0):
+        """`stage_timeout_s`: how long one server's copy of a weights directory may take; a server that has none by
+        then (its actor is restarting, its node is gone) is given the learner's path, fails that update and is
+        ejected as any server that fails one (manager.admin_timeout_s in a run)."""
         self.server_cfg = server_cfg
         self.cluster = cluster
         self.model_path = model_path
         self.run = run
         self.gpus = gpus
         self.placement_group = placement_group
+        self.stage_timeout_s = stage_timeout_s
         self.actors: list[Any] = []
         self._urls: list[str] = []
         self.infos: list[dict[str, Any]] = []
@@ -147,8 +151,9 @@ class RayServerPool(ServerPool):
             return path
         if host is None:
             raise ServerError(f"the weights {path} have no holder to fetch them from and cluster.shared_fs is false")
-        copies = await asyncio.gather(*(a.fetch_weights.remote(path, host) for a in self.actors),
-                                      return_exceptions=True)
+        copies = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(a.fetch_weights.remote(path, host)
+                                                                             .future()), self.stage_timeout_s)
+                                        for a in self.actors), return_exceptions=True)
         # a dead actor's server fails the update and is ejected; its entry only keeps the mapping whole
         return {u: c if isinstance(c, str) else path for u, c in zip(self._urls, copies)}
 
