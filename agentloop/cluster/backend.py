@@ -8,6 +8,7 @@ actors killed, the placement group removed, the driver disconnected (a local Ray
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,9 @@ class RayBackend(Backend):
             c = self.cfg.cluster
             kw: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
             if c.address is None:
-                kw["include_dashboard"] = False
+                # Logical CPUs only schedule actors: a small host still places every server and learner rank.
+                need = (self.cfg.server.num_local + self.cfg.learner.nproc) * c.cpus_per_actor
+                kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
             ray.init(address=c.address, **kw)
             self._connected = True
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))

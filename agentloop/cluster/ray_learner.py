@@ -266,7 +266,13 @@ class RayLearner(LearnerHandle):
                                                    strategy="SPREAD" if c.placement == "spread" else "PACK",
                                                    name=f"{self.run}-learner")
             self._own_pg = True
-        await asyncio.wait_for(self.placement_group.ready(), self.cfg.train.learner_ready_timeout_s)
+        timeout = self.cfg.train.learner_ready_timeout_s
+        try:
+            await asyncio.wait_for(self.placement_group.ready(), timeout)
+        except asyncio.TimeoutError:
+            raise LearnerTimeout(f"the learner's placement group ({self.world} bundle(s): "
+                                 f"{self.placement_group.bundle_specs}) was not placed within {timeout:g}s; the "
+                                 f"cluster has {ray.available_resources()} free") from None
         remote = ray.remote(max_concurrency=16)(self.rank_cls)
         for r in range(self.world):
             opts = actor_options(c, self.gpus, name=f"{self.run}-learner-rank{r}", resources={},

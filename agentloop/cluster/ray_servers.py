@@ -87,7 +87,9 @@ class ServerActor:
         return self.server.log_tail(n)
 
     def stop(self) -> None:
+        """Stop the server; the weight copies go (its log stays in this node's temp dir)."""
         self.server.stop()
+        shutil.rmtree(self.dir / "weights", ignore_errors=True)
 
 
 def actor_options(cluster: ClusterConfig, gpus: float, *, name: str, resources: dict[str, float],
@@ -134,8 +136,17 @@ class RayServerPool(ServerPool):
                                  bundle=i if self.placement_group is not None else None,
                                  restarts=self.cluster.server_restarts)
             self.actors.append(remote.options(**opts).remote(cfg, str(self.model_path), self.run, i, port))
+        # placed and serving within the server's start-up deadline (and a margin for placement), or an error that
+        # names what the actors asked for: a cluster without those resources would leave them pending for good
+        deadline = self.server_cfg.startup_timeout_s + 60.0
         try:
-            self.infos = list(await asyncio.gather(*(a.info.remote() for a in self.actors)))
+            self.infos = list(await asyncio.wait_for(asyncio.gather(*(a.info.remote() for a in self.actors)), deadline))
+        except asyncio.TimeoutError:
+            await self.stop()
+            raise ServerStartError(
+                f"{n} server actor(s) not placed and serving within {deadline:.0f}s: each asks for "
+                f"{self.cluster.cpus_per_actor:g} CPU, {self.gpus:g} GPU and {self.cluster.server_resources or 'no'} "
+                f"custom resources; the cluster has {ray.available_resources()} free") from None
         except ray.exceptions.RayActorError as e:
             await self.stop()
             raise ServerStartError(f"a server actor failed to start: {_cause(e)}") from None

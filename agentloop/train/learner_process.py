@@ -233,7 +233,10 @@ class FileLearner(LearnerHandle):
     def where(self) -> str:
         if self.process is None:
             return f"learner mailbox: {self.run_dir / 'mailbox'}"
-        return f"learner log: {self.process.log_path}"
+        n = self.process.node_args["nnodes"]
+        more = (f"; the learner spans {n} hosts: run `agentloop learner-node --run-dir {self.run_dir}` on each of the "
+                f"other {n - 1}" if n > 1 else "")
+        return f"learner log: {self.process.log_path}{more}"
 
     async def close(self) -> int | None:
         if self.process is None:
