@@ -350,7 +350,12 @@ class ClusterConfig(Section):
     """backend ray: how often Ray restarts a server actor whose process or node died (it comes back at the same
     node and port; the run re-admits it only once it serves the current weights, as any server)."""
     cpus_per_actor: float = Field(default=1.0, ge=0)
-    """backend ray: CPUs each server actor and learner rank reserves."""
+    """backend ray: CPUs each server actor, learner rank and rollout worker reserves."""
+    rollout_workers: int = Field(default=0, ge=0)
+    """backend ray: rollout worker actors (engine processes, each with its own event loop and ServerManager over
+    the run's servers) that run the asynchronous schedule's episodes, so they are not bound to the driver's event
+    loop; the driver keeps the schedule and makes every admin call, telling the workers' managers first. 0: the
+    episodes run on the driver. (train.schedule=sync and validation always run on the driver.)"""
 
 
 class Config(Section):
@@ -403,7 +408,8 @@ class Config(Section):
 
 
 RAY_ONLY = frozenset({"address", "shared_fs", "learner_dir", "server_resources", "learner_resources", "server_gpus",
-                      "learner_gpus", "colocate", "placement", "server_restarts", "cpus_per_actor"})
+                      "learner_gpus", "colocate", "placement", "server_restarts", "cpus_per_actor",
+                      "rollout_workers"})
 """The cluster keys that mean something only with cluster.backend=ray."""
 
 

@@ -17,6 +17,10 @@ Map:
                                (agentloop.interrupt), with a fallback where a server refuses it
     gauges                     `server/...` numbers for progress lines and metrics
     on_close                   what lives as long as the manager and serves through it (the agent gateway)
+    add_follower / follow      managers in other processes (Ray rollout workers) that generate on the same servers
+                               while this one makes the admin calls: each pause, resume and interrupt is told to
+                               them first (versions, pause state, interrupt count), so their calls cut short by a
+                               pause continue, and are stamped, exactly as this manager's own
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
@@ -215,6 +219,7 @@ class ServerManager:
         self._answered_at = [float("-inf")] * len(self.urls)  # last successful request per server
         self._closed = False
         self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._followers: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -235,6 +240,51 @@ class ServerManager:
             # timed out meanwhile), so failed probes count only once it has had that long to answer.
             self._answered_at = [time.monotonic()] * len(self.urls)
             self._health_task = asyncio.create_task(self._health_loop(), name="server-health")
+
+    # ------------------------------------------------------------------ followers
+
+    def add_follower(self, hook: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """`hook(follower_state())` is awaited before each pause reaches the servers, before the calls a flush
+        fallback aborts, and after each resume (bounded by `admin_timeout_s`; a follower that fails is said, the
+        rest goes on): what a manager that `follow`s this one must know, in time."""
+        self._followers.append(hook)
+
+    def follower_state(self) -> dict[str, Any]:
+        return {"interrupts": self._interrupts, "pauses": self._pauses, "pause_mode": self._pause_mode,
+                "unpaused": self._unpaused.is_set(), "expected": self.router.expected_version,
+                "versions": {s.url: s.version for s in self.router.servers}}
+
+    def follow(self, state: dict[str, Any]) -> None:
+        """Mirror a leader's `follower_state` (this manager generates; the leader makes the admin calls): its
+        interrupt count (a call cut short by the leader's pause continues after the resume), pause state (no call
+        is sent while paused), the servers' versions (stamps) and the expected one (stale servers stay out)."""
+        self._interrupts = int(state["interrupts"])
+        self._pauses = int(state["pauses"])
+        self._pause_mode = state.get("pause_mode")
+        for i, url in enumerate(self.urls):
+            v = state["versions"].get(url)
+            if v is not None:
+                self.router.set_version(i, v)
+        if state.get("expected") is not None and state["expected"] != self.router.expected_version:
+            self.expect_version(int(state["expected"]))
+        for i, s in enumerate(self.router.servers):
+            if s.stale and s.version == self.router.expected_version:
+                self._readmit(i)
+        if state["unpaused"]:
+            self._unpaused.set()
+        else:
+            self._unpaused.clear()
+        self._changed.set()
+
+    async def _tell_followers(self) -> None:
+        if not self._followers:
+            return
+        state = self.follower_state()
+        results = await asyncio.gather(*(asyncio.wait_for(h(state), self.cfg.admin_timeout_s)
+                                         for h in self._followers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                self._say(f"a follower manager did not take the servers' state: {type(r).__name__}: {r}")
 
     def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Await `fn()` first thing when the manager closes: what lives as long as it and serves through it
@@ -732,6 +782,8 @@ class ServerManager:
         try:
             if mode == "abort":
                 self._interrupts += 1
+            await self._tell_followers()  # their calls this pause cuts short continue, as ours do
+            if mode == "abort":
                 await self._abort_and_drain()
             await self._broadcast("/pause_generation", {"mode": mode}, idxs=targets)
         except BaseException:
@@ -739,6 +791,7 @@ class ServerManager:
             self._paused.clear()
             self._unpaused.set()
             self._changed.set()
+            await self._tell_followers()
             raise
 
     async def _abort_and_drain(self, rounds: int = 4, wait_s: float = 0.25) -> None:
@@ -780,6 +833,7 @@ class ServerManager:
             self._paused.clear()
             self._unpaused.set()
             self._changed.set()
+            await self._tell_followers()
 
     async def finish_update(self, policy: InterruptPolicy, urls: list[str] | None = None) -> None:
         """After a weight update reached the servers (`urls`, default the push targets), before `resume`:
@@ -808,6 +862,7 @@ class ServerManager:
             first = e
         self._stats["flushes_refused"] += 1
         self._interrupts += 1  # the calls aborted below continue themselves after resume
+        await self._tell_followers()  # and so do the followers' calls
         try:
             await self._admin_post(url, "/abort_request", {"rid": "", "abort_all": True})
             await self._drain(lambda: self.router.servers[i].inflight > 0, self.cfg.admin_timeout_s)

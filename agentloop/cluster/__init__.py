@@ -8,8 +8,10 @@ transport) do the rest, as on one host.
     ray_learner   RayLearner: the learner's ranks as Ray actors in a placement group, forming their
                   torch.distributed group themselves, each running the learner loop (agentloop.train.learner.serve)
                   with batches and control through Ray (RayInbox); weights/checkpoints in `cluster.learner_dir`
+    ray_rollout   rollout workers (cluster.rollout_workers): engine processes as actors running the asynchronous
+                  schedule's groups, their ServerManagers following the driver's (pauses, versions, interrupts)
     backend       RayBackend: connects to (or starts) the cluster, owns the placement group, hands the run its
-                  pool and its learner
+                  pool, its learner and its rollout workers
 
 Nothing here is imported unless cluster.backend=ray: the CLI imports it, and `run_train(cfg, backend=
 RayBackend(cfg))` does for API users. May import: train and every layer below it; never bench or the CLI.

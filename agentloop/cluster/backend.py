@@ -46,7 +46,7 @@ class RayBackend(Backend):
             kw: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
             if c.address is None:
                 # Logical CPUs only schedule actors: a small host still places every server and learner rank.
-                need = (self.cfg.server.num_local + self.cfg.learner.nproc) * c.cpus_per_actor
+                need = (self.cfg.server.num_local + self.cfg.learner.nproc + c.rollout_workers) * c.cpus_per_actor
                 kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
             ray.init(address=c.address, **kw)
             self._connected = True
@@ -84,6 +84,25 @@ class RayBackend(Backend):
                               "has no GPU (or cluster.learner_gpus=0)")
         return RayLearner(cfg, run_dir, model_path, run=self.run_name(run_dir), gpus=gpus,
                           placement_group=self._pg())
+
+    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path, run_dir: Path) -> Any:
+        """`cluster.rollout_workers` engine processes (agentloop.cluster.ray_rollout) whose managers follow `sm`,
+        stopped when `sm` closes; None without them."""
+        n = cfg.cluster.rollout_workers
+        if n == 0:
+            return None
+        from agentloop.cluster.ray_rollout import WorkerPool, WorkerStream
+
+        pool = WorkerPool(n, self.run_name(run_dir), cfg.cluster.cpus_per_actor)
+        try:
+            await pool.start((run_dir / "config.yaml").read_text(), list(sm.urls), model_path, sm.follower_state(),
+                             cfg.server.startup_timeout_s)
+        except BaseException:
+            await pool.stop(grace_s=5.0)
+            raise
+        sm.add_follower(pool.follow)
+        sm.on_close(pool.stop)
+        return lambda: WorkerStream(pool, lambda: sm.expected_version)
 
     async def close(self) -> None:
         if self.placement_group is not None:

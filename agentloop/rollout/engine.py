@@ -347,6 +347,14 @@ class GroupStream:
     def running_uids(self) -> list[int]:
         return list(self._tasks)
 
+    async def running_versions(self) -> dict[int, int | None]:
+        """uid -> `started_version` of every group in flight (async: a stream of remote workers asks them)."""
+        return {u: self._started.get(u) for u in self._tasks}
+
+    def busy_fraction(self, reset: bool = False) -> float:
+        """The engine's `busy_fraction`: the share of time with an episode running."""
+        return self.engine.busy_fraction(reset=reset)
+
     def submitted_version(self, uid: int) -> int | None:
         return self._versions.get(uid)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
+from typing import Any
 
 from agentloop.config import Config
 from agentloop.inference.serving import ServerPool, pool_for
@@ -35,6 +36,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
         """The run's learner (not started yet)."""
+
+    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path, run_dir: Path) -> Any:
+        """What makes the asynchronous schedule's group stream, once the servers serve (`sm`, the run's
+        ServerManager): None, the engine's own (episodes on the orchestrator's event loop)."""
+        return None
 
     async def close(self) -> None:
         """After everything else of the run (bounded); nothing for one host."""

@@ -216,11 +216,11 @@ class Trainer:
     """The pieces both schedules share (see the module doc). `learner`: the learner handle (agentloop.train.handle;
     the file mailbox or Ray); `layout`: how the learner lays out micro-batches (LearnerInfo.layout), which the
     step's batch is planned for; `stage`: where the servers read the learner's HF directories (the server pool's;
-    default: the path as is)."""
+    default: the path as is); `streams`: see the attribute."""
 
     def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
                  learner: LearnerHandle, log: StepLog, cursor: DataCursor, val_samples: list[Sample], *,
-                 layout: BatchLayout | None = None, stage: Stage = same_path):
+                 layout: BatchLayout | None = None, stage: Stage = same_path, streams: Any = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.sm = sm
@@ -230,6 +230,9 @@ class Trainer:
         self.cursor = cursor
         self.val_samples = val_samples
         self.layout = layout or BatchLayout()
+        self.streams = streams
+        """Makes the asynchronous schedule's group stream (None: the engine's, episodes on this event loop; the
+        Ray backend's rollout workers: agentloop.cluster.ray_rollout)."""
         # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
         self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
@@ -396,7 +399,7 @@ class Trainer:
         sched: AsyncSchedule[GroupOutcome] = AsyncSchedule(B, cfg.train.max_staleness,
                                                            total=(cfg.train.steps - first + 1) * B,
                                                            first_step=first, infra_retries=INFRA_RETRIES)
-        stream = self.engine.stream()
+        stream = self.streams() if self.streams is not None else self.engine.stream()
         changed = asyncio.Event()
 
         def carry_out(cmds: list[Command]) -> None:
@@ -429,7 +432,7 @@ class Trainer:
         try:
             for step in range(first, cfg.train.steps + 1):
                 t0 = time.monotonic()
-                carry_out(sched.step_begins(step, {u: stream.started_version(u) for u in stream.running_uids()}))
+                carry_out(sched.step_begins(step, await stream.running_versions()))
                 while (groups := sched.take(step)) is None:
                     if stream.stopped:
                         raise TrainingError(f"rollouts of step {step} stopped: {stream.stopped}")
@@ -446,7 +449,7 @@ class Trainer:
                 extra = {"_data_state": self.cursor.state(untrained=sched.untrained()),
                          "async/groups_in_flight": float(stream.running),
                          "async/groups_buffered": float(len(sched)),
-                         "async/busy_frac": self.engine.busy_fraction(reset=True)}
+                         "async/busy_frac": stream.busy_fraction(reset=True)}
                 # what happened since the previous step's row, written in this step's row
                 delta = sched.since(logged, ("groups_cancelled", "episodes_cancelled", "episodes_continued",
                                              "groups_dropped_infra"))
@@ -537,8 +540,13 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             recover_step_rows(log, first, learner, run_dir)
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
             layout = BatchLayout.from_json(info.layout) if info.layout else BatchLayout(world=info.world_size)
+            streams = await backend.rollout_streams(cfg, sm, model_path, run_dir)
+            if streams is not None:
+                print(f"agentloop train: the asynchronous schedule's episodes run on {cfg.cluster.rollout_workers} "
+                      "rollout worker(s) (Ray actors), this process makes the servers' admin calls",
+                      file=sys.stderr, flush=True)
             trainer = Trainer(cfg, run_dir, sm, engine, learner, log, cursor, val_samples, layout=layout,
-                              stage=lambda w: pool.stage(w.path, w.host))
+                              stage=lambda w: pool.stage(w.path, w.host), streams=streams)
             sm.set_resync(trainer.weights.resync)
             await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
             sm.expect_version(0)

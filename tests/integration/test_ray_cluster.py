@@ -2,9 +2,11 @@
 each a raylet with its own custom resource and its own scratch dir (TMPDIR of its workers): the servers pinned to
 node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLang CPU servers, the real learner.
 
-  * two steps end to end with two server actors, one killed mid-rollout: no episode is lost (every step trains
-    whole groups of every prompt), records and metrics come back to the driver, and no file path crosses from one
-    node's scratch dir to the other's (the learner's weights reach the servers through Ray);
+  * three steps end to end with two server actors, one killed mid-rollout: no episode is lost (every step trains
+    whole groups of every prompt, none aborted), records and metrics come back to the driver, and no file path
+    crosses from one node's scratch dir to the other's (the learner's weights reach the servers through Ray);
+  * the episodes on two rollout worker actors (their ServerManagers following the driver's): calls an abort-mode
+    weight update cuts short are continued, no episode aborted;
   * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
     command resumes from that checkpoint on the learner's node and finishes.
 """
@@ -126,7 +128,8 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     # no episode lost: every step trained two whole groups of two episodes, none failed
     for step in (1, 2, 3):
         recs = list(read_records(run_dir / "rollouts" / f"step-{step:06d}.jsonl"))
-        assert len(recs) == 4 and all(r.error is None for r in recs), (step, [r.error for r in recs])
+        assert len(recs) == 4 and all(r.error is None and r.finish_reason != "abort" for r in recs), \
+            (step, [(r.error, r.finish_reason) for r in recs])
         assert sorted({r.uid for r in recs}) == sorted(r.uid for r in recs[::2]) and len({r.uid for r in recs}) == 2
     # the killed server's calls went to the other one (retried), and it was ejected
     assert rows[-1]["server/retries"] >= 1 and rows[-1]["server/ejections"] >= 1, rows[-1]
@@ -144,6 +147,26 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["last_weights"] == str(learner_dir / "weights" / "step-000003")
     assert summary["learner_exit"] == 0
+
+
+def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, tiny_model_path, tmp_path):
+    run_dir, plugin, log = nodes.driver / "run-workers", nodes.driver / "reward.py", tmp_path / "run.log"
+    plugin.write_text(REWARD)
+    cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "sampling.max_new_tokens=400",
+               "learner.checkpoint_every=null", "cluster.rollout_workers=2", "train.interrupt=abort")
+    proc = subprocess.run(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=_env(nodes), timeout=600)
+    out = log.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "episodes run on 2 rollout worker(s)" in out
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    recs = [r for s in (1, 2, 3) for r in read_records(run_dir / "rollouts" / f"step-{s:06d}.jsonl")]
+    assert len(recs) == 12 and all(r.error is None and r.finish_reason != "abort" for r in recs)
+    # groups of the next step run on the workers while a step's weights are pushed (async, η = 1): the pause cut
+    # some of their calls, which continued under the new weights, their tokens of both versions
+    assert sum(r["async/episodes_continued"] for r in rows) >= 1, [r["async/episodes_continued"] for r in rows]
+    both = [r for r in recs if r.metrics.get("interrupted_calls", 0) > 0]
+    assert both and all(len(set(v for v, m in zip(r.token_versions, r.response_mask) if m)) == 2 for r in both)
 
 
 def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes(nodes, tiny_model_path, tmp_path):

@@ -67,3 +67,40 @@ def test_a_resync_hook_set_after_construction_brings_a_stale_server_back():
 
     healthy, version = run(main())
     assert calls and healthy and version == "1"
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_a_follower_continues_the_calls_its_leaders_pause_cuts_short(mode):
+    """A rollout worker's manager generates while the driver's makes the admin calls: told of each pause first,
+    the follower's call cut short continues under the new weights, its tokens stamped with both versions; without
+    a follower the same pause ends it as an abort."""
+    sp = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 5}
+
+    async def main(follow: bool):
+        fake = await FakeSGLang(token_delay_s=0.01).start()
+        try:
+            cfg = ManagerConfig(health_interval_s=60)
+            async with ServerManager([fake.url], cfg, initial_version=0) as leader, \
+                    ServerManager([fake.url], cfg) as follower:
+                follower.follow(leader.follower_state())
+                if follow:
+                    async def tell(state):
+                        follower.follow(state)
+
+                    leader.add_follower(tell)
+                call = asyncio.create_task(follower.generate("e", prompt_ids=[5, 6, 7], sampling_params=sp))
+                await fake.started.wait()
+                await leader.pause(mode)
+                await leader.update_weights_from_disk("/w1", weight_version=1, flush_cache=mode == "abort")
+                await leader.resume()
+                leader.expect_version(1)
+                return await call, follower.gauges()
+        finally:
+            await fake.stop()
+
+    out, g = run(main(True))
+    assert len(out.token_ids) == 40 and out.token_versions[0] == 0 and out.token_versions[-1] == 1
+    if mode == "abort":
+        assert g["server/interrupted_calls"] == 1 and g["server/continued_calls"] == 1
+        cut, _ = run(main(False))
+        assert cut.finish_reason == "abort" and len(cut.token_ids) < 40  # what the follower hook prevents
