@@ -220,6 +220,7 @@ class ServerManager:
         self._closed = False
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._followers: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
+        self._state_seq = 0  # leader: states handed out; follower: the newest state followed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -250,14 +251,21 @@ class ServerManager:
         self._followers.append(hook)
 
     def follower_state(self) -> dict[str, Any]:
-        return {"interrupts": self._interrupts, "pauses": self._pauses, "pause_mode": self._pause_mode,
+        """What a follower mirrors (`follow`); `seq` orders the states, so an older one never undoes a newer one."""
+        self._state_seq += 1
+        return {"seq": self._state_seq, "interrupts": self._interrupts, "pauses": self._pauses,
+                "pause_mode": self._pause_mode,
                 "unpaused": self._unpaused.is_set(), "expected": self.router.expected_version,
                 "versions": {s.url: s.version for s in self.router.servers}}
 
     def follow(self, state: dict[str, Any]) -> None:
         """Mirror a leader's `follower_state` (this manager generates; the leader makes the admin calls): its
         interrupt count (a call cut short by the leader's pause continues after the resume), pause state (no call
-        is sent while paused), the servers' versions (stamps) and the expected one (stale servers stay out)."""
+        is sent while paused), the servers' versions (stamps) and the expected one (stale servers stay out). A state
+        older than one followed already is ignored."""
+        if int(state.get("seq", 0)) < self._state_seq:
+            return
+        self._state_seq = int(state.get("seq", 0))
         self._interrupts = int(state["interrupts"])
         self._pauses = int(state["pauses"])
         self._pause_mode = state.get("pause_mode")
@@ -363,6 +371,8 @@ class ServerManager:
     def expect_version(self, version: int) -> None:
         """From now on every admitted server must serve `version` (servers known to serve another
         are ejected as stale until updated or resynced)."""
+        if self._followers:
+            self._spawn(self._tell_followers(), name="tell-followers")
         for i in self.router.expect(version):
             self._stats["stale_servers"] += 1
             self._say(f"server {self.urls[i]} serves version {self.router.servers[i].version}, "

@@ -102,7 +102,7 @@ class RayBackend(Backend):
             raise
         sm.add_follower(pool.follow)
         sm.on_close(pool.stop)
-        return lambda: WorkerStream(pool, lambda: sm.expected_version)
+        return lambda: WorkerStream(pool, sm)
 
     async def close(self) -> None:
         if self.placement_group is not None:

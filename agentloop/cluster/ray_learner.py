@@ -23,6 +23,7 @@ prompts of the steps after C are given out again, each position still trained on
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -49,6 +50,7 @@ from agentloop.train.handle import (
     WeightsOnDisk,
 )
 from agentloop.train.weight_sync import PushOrder
+from agentloop.util.fsio import atomic_write_json
 
 
 class RayInbox(LearnerInbox):
@@ -64,6 +66,9 @@ class RayInbox(LearnerInbox):
         self.sync_requests: dict[int, str] = {}
         self.orders: dict[int, dict[str, Any]] = {}
         self.final_result: dict[str, Any] | None = None
+        self.results_dir: Path | None = None
+        """Where each step's result is also written (the learner's directory): a resumed run restores the row of a
+        step the learner finished before a stop (agentloop.train.orchestrator.recover_step_rows)."""
 
     # the loop's side (LearnerInbox) ----------------------------------------------------------
     def start(self) -> None:
@@ -88,8 +93,12 @@ class RayInbox(LearnerInbox):
         return None if stop is None else ("stop", stop)
 
     def done(self, step: int, weights_dir: str | None, metrics: dict[str, float], *, pushed: bool) -> None:
+        payload = {"weights_dir": weights_dir, "metrics": metrics, "pushed": pushed}
+        if self.results_dir is not None:
+            self.results_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.results_dir / f"step-{step:06d}.json", payload)
         with self._lock:
-            self.results[step] = ("done", {"weights_dir": weights_dir, "metrics": metrics, "pushed": pushed})
+            self.results[step] = ("done", payload)
 
     def failed(self, step: int, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -115,6 +124,10 @@ class RayInbox(LearnerInbox):
         with self._lock:
             for s in [s for s in self.results if s > step]:
                 del self.results[s]
+        if self.results_dir is not None:
+            for f in self.results_dir.glob("step-*.json"):
+                if f.stem[5:].isdigit() and int(f.stem[5:]) > step:
+                    f.unlink(missing_ok=True)
 
     def close(self, status: str = "stopped", **fields: Any) -> None:
         self.report(status=status, **fields)
@@ -173,6 +186,7 @@ class LearnerRank:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         d = Path(learner_dir)
         d.mkdir(parents=True, exist_ok=True)
+        self.inbox.results_dir = d / "steps"
         self.log_path = d / ("learner.log" if self.rank == 0 else f"learner-rank{self.rank}.log")
         log_to_stdout(self.rank)
         handler = logging.FileHandler(self.log_path)
@@ -209,6 +223,14 @@ class LearnerRank:
 
     def final_result(self) -> dict[str, Any] | None:
         return self.inbox.final_result
+
+    def finished(self, learner_dir: str, step: int) -> dict[str, float] | None:
+        """The learner metrics of a step finished by this or an earlier learner of the run (its results file)."""
+        f = Path(learner_dir) / "steps" / f"step-{step:06d}.json"
+        try:
+            return dict(json.loads(f.read_text()).get("metrics", {}))
+        except (OSError, ValueError):
+            return None
 
     def weights_path(self, learner_dir: str, step: int) -> str | None:
         d = Path(learner_dir) / "weights" / f"step-{step:06d}"
@@ -385,7 +407,12 @@ class RayLearner(LearnerHandle):
         return out
 
     def finished_metrics(self, step: int) -> dict[str, float] | None:
-        return self._finished.get(step)
+        if step in self._finished:
+            return self._finished[step]
+        try:  # a step an earlier learner of the run finished (read on the learner's node; once, at a resume)
+            return ray.get(self.ranks[0].finished.remote(self.learner_dir, step), timeout=30) if self.ranks else None
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
 
     async def weights(self, step: int) -> WeightsOnDisk | None:
         path = await self._call(self.ranks[0].weights_path.remote(self.learner_dir, step), "a weights lookup")

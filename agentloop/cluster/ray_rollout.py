@@ -68,7 +68,10 @@ class RolloutWorker:
             if fut is not None and not fut.done():
                 fut.set_result(out)
 
-    async def run_group(self, sample: Any, n: int) -> GroupOutcome:
+    async def run_group(self, sample: Any, n: int, state: dict[str, Any]) -> GroupOutcome:
+        """Run one group, the driver's manager's state at its submission followed first (its episodes start from
+        what the driver knew: the expected version they are counted from, the pause state)."""
+        self.sm.follow(state)
         fut = asyncio.get_running_loop().create_future()
         self.waiting[sample.group_uid] = fut
         self.stream.submit(sample, n)
@@ -124,10 +127,10 @@ class WorkerPool:
 class WorkerStream:
     """The GroupStream interface over rollout workers (module doc); runs on the driver's event loop."""
 
-    def __init__(self, pool: WorkerPool, expected_version: Any):
+    def __init__(self, pool: WorkerPool, sm: Any):
         self.pool = pool
-        self.expected_version = expected_version
-        """() -> the driver's expected weight version (a group's submitted version)."""
+        self.sm = sm
+        """The driver's ServerManager: its expected version is a group's submitted one, its state goes with it."""
         self._where: dict[int, Any] = {}
         self._tasks: dict[int, asyncio.Task] = {}
         self._load = {w: 0 for w in pool.workers}
@@ -152,14 +155,14 @@ class WorkerStream:
         self._where[uid] = worker
         if not self._tasks:
             self._busy_since = time.monotonic()
-        self._tasks[uid] = asyncio.create_task(self._group(worker, sample, n, self.expected_version()),
-                                               name=f"remote-group-{uid}")
+        self._tasks[uid] = asyncio.create_task(self._group(worker, sample, n, self.sm.expected_version,
+                                                           self.sm.follower_state()), name=f"remote-group-{uid}")
         self.counts["submitted"] += 1
 
-    async def _group(self, worker: Any, sample: Any, n: int, version: Any) -> None:
+    async def _group(self, worker: Any, sample: Any, n: int, version: Any, state: dict[str, Any]) -> None:
         uid = sample.group_uid
         try:
-            out = await worker.run_group.remote(sample, n)
+            out = await worker.run_group.remote(sample, n, state)
             if out.cancelled is None:
                 self.counts["completed"] += 1
             elif out.cancelled.startswith("every server went down"):

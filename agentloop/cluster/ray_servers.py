@@ -10,12 +10,14 @@ comes back at its URL and the ServerManager re-admits it once it serves the curr
 Weights without a shared filesystem (`stage`): every server reads an HF directory of the learner's from its own
 node. Each actor fetches the directory's files from their holder (the learner's rank-0 actor,
 `WeightsOnDisk.host`) through Ray's object store into its node's temp dir, once per directory, and keeps the
-newest two; with `cluster.shared_fs` the path is used as it is.
+newest two (each copy noted in the server's weights.jsonl, beside its log); with `cluster.shared_fs` the path is
+used as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 import time
@@ -77,6 +79,9 @@ class ServerActor:
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
         self.weights[path] = str(dest)
+        with (self.dir / "weights.jsonl").open("a") as ledger:  # where each copy came from, for the record
+            ledger.write(json.dumps({"from": path, "to": str(dest), "files": len(files),
+                                     "bytes": sum(len(b) for b in files.values()), "time": time.time()}) + "\n")
         while len(self.weights) > KEEP_WEIGHTS:
             old = self.weights.pop(next(iter(self.weights)))
             if old != str(dest):

@@ -85,6 +85,10 @@ def _wait(proc: subprocess.Popen, log: Path, cond, what: str, timeout: float = 6
         time.sleep(0.2)
 
 
+def _lines(f: Path) -> list[str]:
+    return f.read_text().splitlines() if f.is_file() else []
+
+
 def _files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file()]
 
@@ -140,8 +144,9 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     assert not (run_dir / "weights").exists() and not (run_dir / "checkpoints").exists()
     assert (learner_dir / "weights" / "step-000003").is_dir() and latest_checkpoint(learner_dir / "checkpoints")
     served = nodes.a / "agentloop-ray" / f"agentloop-{run_dir.name}"
-    copies = sorted(p.name for p in (served / "server0" / "weights").iterdir())
-    assert copies[-1] == "step-000003", copies
+    copies = [json.loads(ln) for ln in _lines(served / "server0" / "weights.jsonl")]  # each copy it loaded
+    assert [Path(c["to"]).name for c in copies] == ["step-000001", "step-000002", "step-000003"], copies
+    assert all(c["from"].startswith(str(learner_dir)) and c["to"].startswith(str(served)) for c in copies)
     assert not (nodes.a / "learner").exists() and not (nodes.b / "agentloop-ray").exists()
     assert not any(str(nodes.b) in p.read_text(errors="replace") for p in _files(served) if p.suffix == ".log")
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -154,7 +159,8 @@ def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, ti
     plugin.write_text(REWARD)
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "sampling.max_new_tokens=400",
                "learner.checkpoint_every=null", "cluster.rollout_workers=2", "train.interrupt=abort")
-    proc = subprocess.run(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=_env(nodes), timeout=600)
+    with log.open("wb") as out_file:
+        proc = subprocess.run(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=_env(nodes), timeout=600)
     out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
     assert "episodes run on 2 rollout worker(s)" in out
@@ -180,7 +186,8 @@ def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes
     with logs[0].open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
     try:
-        _wait(proc, logs[0], lambda: latest_checkpoint(learner_dir / "checkpoints") is not None, "checkpoint 2")
+        # step 2's row logged: its checkpoint is complete (written before the step's update, CPU: synchronously)
+        _wait(proc, logs[0], lambda: len(_lines(run_dir / "metrics.jsonl")) >= 2, "step 2's row")
         ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
         try:
             ray.kill(ray.get_actor(f"agentloop-{run_dir.name}-learner-rank0"))
