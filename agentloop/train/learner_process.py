@@ -27,7 +27,7 @@ from typing import Any
 
 from agentloop.config import Config
 from agentloop.errors import ConfigError
-from agentloop.train.handle import FinalResult, LearnerHandle, LearnerInfo, WeightsOnDisk
+from agentloop.train.handle import FinalResult, LearnerHandle, LearnerInfo, LearnerTimeout, WeightsOnDisk
 from agentloop.train.mailbox import MailboxClient, MailboxPaths
 from agentloop.util.rundir import write_json
 
@@ -190,7 +190,17 @@ class FileLearner(LearnerHandle):
 
     async def wait_ready(self, timeout_s: float) -> LearnerInfo:
         since = None if self._started is None or self.process is None else self._started - 1
-        return _info(await asyncio.to_thread(self.client.wait_ready, timeout_s, since=since))
+        try:
+            return _info(await asyncio.to_thread(self.client.wait_ready, timeout_s, since=since))
+        except LearnerTimeout as e:
+            n = 1 if self.process is None else self.process.node_args["nnodes"]
+            if n == 1:
+                raise
+            # the usual cause: this node's ranks wait in the rendezvous for nodes nobody started
+            raise LearnerTimeout(
+                f"{e}; the learner spans {n} hosts and its ranks wait in torchrun's rendezvous at "
+                f"{self.process.node_args['rdzv_endpoint']} for all of them: run `agentloop learner-node --run-dir "
+                f"{self.run_dir}` on each of the other {n - 1} (the run dir on a filesystem they share)") from e
 
     async def wait_caught_up(self, step_timeout_s: float) -> LearnerInfo:
         return _info(await asyncio.to_thread(self.client.wait_caught_up, step_timeout_s))

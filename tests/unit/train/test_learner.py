@@ -554,6 +554,33 @@ def test_a_learner_over_two_nodes_with_torchruns_rendezvous_matches_one_rank(tin
     assert_weights_close(ref, Path(res.weights_dir), atol=1e-5)
 
 
+def test_a_learner_over_two_nodes_whose_other_node_never_joins_names_the_command(tmp_path):
+    """learner.nnodes=2 and no `agentloop learner-node` started: the first node's ranks wait in the rendezvous, and
+    the ready timeout says so, with the command to run on the other host (not only "learner not ready")."""
+    import asyncio
+
+    from agentloop.config import dump_config, load_config
+    from agentloop.inference.launcher import pick_free_port
+    from agentloop.train.handle import LearnerTimeout
+    from agentloop.train.learner_process import FileLearner, LearnerProcess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    endpoint = f"127.0.0.1:{pick_free_port()}"
+    cfg = load_config(None, ["learner.device=cpu", "learner.nnodes=2", f"learner.rdzv_endpoint={endpoint}"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    lp = LearnerProcess(cfg, run, tmp_path / "model")
+    learner = FileLearner(run, process=lp, poll_s=0.05)
+    try:
+        asyncio.run(learner.start())
+        with pytest.raises(LearnerTimeout) as e:
+            asyncio.run(learner.wait_ready(3))
+    finally:
+        lp.stop(grace_s=0)
+    assert f"rendezvous at {endpoint}" in str(e.value)
+    assert f"run `agentloop learner-node --run-dir {run}` on each of the other 1" in str(e.value)
+
+
 def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
     """The learner as `agentloop train` starts it (LearnerProcess, stdout to learner.log): the step's line
     is in learner.log by the time its update.done is visible, while the learner is still running; the
