@@ -434,6 +434,10 @@ def _cluster_problems(cfg: Config) -> list[str]:
     if c.colocate and cfg.server.urls:
         out.append("cluster.colocate places Ray server actors next to the learner ranks; server.urls servers are "
                    "not Ray's to place")
+    share = (0.5 if c.server_gpus is None else c.server_gpus) + (0.5 if c.learner_gpus is None else c.learner_gpus)
+    if c.colocate and share > 1:
+        out.append(f"cluster.colocate: a server and a learner rank share one GPU, but cluster.server_gpus + "
+                   f"cluster.learner_gpus = {share:g} > 1; give them fractions that sum to at most 1 (e.g. 0.5 each)")
     if c.colocate and not cfg.server.urls and cfg.server.num_local > cfg.learner.nproc:
         out.append(f"cluster.colocate puts server i on learner rank i's GPU: server.num_local="
                    f"{cfg.server.num_local} > learner.nproc={cfg.learner.nproc}")

@@ -35,6 +35,7 @@ import ray
 
 from agentloop.cluster.ray_servers import _cause, actor_options
 from agentloop.config import Config
+from agentloop.errors import ConfigError
 from agentloop.inference.launcher import pick_free_port
 from agentloop.train.batch_plan import TrainBatch
 from agentloop.train.handle import (
@@ -295,6 +296,7 @@ class RayLearner(LearnerHandle):
             raise LearnerTimeout(f"the learner's placement group ({self.world} bundle(s): "
                                  f"{self.placement_group.bundle_specs}) was not placed within {timeout:g}s; the "
                                  f"cluster has {ray.available_resources()} free") from None
+        self._check_placement()
         remote = ray.remote(max_concurrency=16)(self.rank_cls)
         for r in range(self.world):
             opts = actor_options(c, self.gpus, name=f"{self.run}-learner-rank{r}", resources={},
@@ -305,6 +307,20 @@ class RayLearner(LearnerHandle):
         self.runs = [rank.run_loop.remote(self.world, master, self.learner_dir, str(self.model_path), config_yaml,
                                           self.cfg.train.resume, self.cfg.model.context_length)
                      for rank in self.ranks]
+
+    def _check_placement(self) -> None:
+        """ConfigError when the ranks landed on several nodes that share no filesystem: rank 0 makes each checkpoint's
+        directory and every rank writes its shard into it, so the ranks must see one cluster.learner_dir."""
+        from ray.util.placement_group import placement_group_table
+
+        nodes = set(placement_group_table(self.placement_group)["bundles_to_node_id"].values())
+        if len(nodes) > 1 and not self.cfg.cluster.shared_fs:
+            raise ConfigError(
+                f"the learner's {self.world} ranks were placed on {len(nodes)} nodes and cluster.shared_fs is false: "
+                f"every rank writes its shard of each checkpoint into cluster.learner_dir ({self.learner_dir}), which "
+                "a resume reads whole; put cluster.learner_dir on a filesystem every learner node mounts and set "
+                "cluster.shared_fs=true, or keep the ranks on one node (cluster.placement=pack, "
+                "cluster.learner_resources naming one node's resource)")
 
     # ------------------------------------------------------------------ liveness
 
@@ -463,23 +479,24 @@ class RayLearner(LearnerHandle):
                 "learner's nodes")
 
     async def close(self) -> int | None:
-        if not self.ranks:
-            return None
-        await self.stop()
-        grace = 30.0 if not self._ended else 0.0
-        done, _ = await asyncio.to_thread(ray.wait, self.runs, num_returns=len(self.runs), timeout=grace)
         code: int | None = None
-        if self.runs and self.runs[0] in done:
-            try:
-                code = int(ray.get(self.runs[0]))
-            except (ray.exceptions.RayError, TypeError, ValueError):
-                code = None
-        for a in self.ranks:
-            ray.kill(a, no_restart=True)
+        if self.ranks:
+            await self.stop()
+            grace = 30.0 if not self._ended else 0.0
+            done, _ = await asyncio.to_thread(ray.wait, self.runs, num_returns=len(self.runs), timeout=grace)
+            if self.runs and self.runs[0] in done:
+                try:
+                    code = int(ray.get(self.runs[0]))
+                except (ray.exceptions.RayError, TypeError, ValueError):
+                    code = None
+            for a in self.ranks:
+                ray.kill(a, no_restart=True)
+        # also when the start stopped before any rank (a placement refused): its group must not hold the resources
         if self._own_pg and self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement_group)
+            self.placement_group = None
         self.ranks, self.runs = [], []
         return code
 

@@ -8,7 +8,8 @@ node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLan
   * the episodes on two rollout worker actors (their ServerManagers following the driver's): calls an abort-mode
     weight update cuts short are continued, no episode aborted;
   * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
-    command resumes from that checkpoint on the learner's node and finishes.
+    command resumes from that checkpoint on the learner's node and finishes;
+  * learner ranks that Ray places on two nodes sharing no filesystem are refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -213,3 +214,37 @@ def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     assert (learner_dir / "weights" / "step-000004").is_dir()
     assert not MailboxPaths(run_dir).mailbox.exists() or not any(MailboxPaths(run_dir).mailbox.glob("step-*"))
+
+
+def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(nodes, tmp_path):
+    """Each rank writes its shard of a checkpoint into cluster.learner_dir: spread over node_a and node_b, whose
+    scratch dirs are their own, no checkpoint could be whole. Refused once the placement group is placed, before
+    any rank actor starts, and the group's resources are given back."""
+    import asyncio
+
+    from agentloop.cluster.ray_learner import RayLearner
+    from agentloop.config import load_config
+    from agentloop.errors import ConfigError
+
+    cfg = load_config(None, ["cluster.backend=ray", f"cluster.address={nodes.address}", "learner.nproc=2",
+                             "cluster.placement=spread", "learner.device=cpu"])
+    ray = _ray()
+    ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
+    try:
+        learner = RayLearner(cfg, tmp_path, tmp_path / "model", run="agentloop-spread", gpus=0)
+
+        async def start_and_close() -> None:
+            try:
+                await learner.start()
+            finally:
+                await learner.close()
+
+        with pytest.raises(ConfigError, match="ranks were placed on 2 nodes and cluster.shared_fs is false"):
+            asyncio.run(start_and_close())
+        assert not learner.ranks
+        from ray.util.placement_group import placement_group_table
+
+        assert all(g["state"] == "REMOVED" for g in placement_group_table().values()
+                   if g["name"] == "agentloop-spread-learner")
+    finally:
+        ray.shutdown()

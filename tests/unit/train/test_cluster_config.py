@@ -21,6 +21,8 @@ MODEL = 'model.path="/m"'
     (["cluster.backend=ray", "cluster.colocate=true", "server.num_local=2"],
      "server.num_local=2 > learner.nproc=1"),
     (["cluster.backend=ray", URL, MODEL], "set cluster.shared_fs=true"),
+    (["cluster.backend=ray", "cluster.colocate=true", "cluster.server_gpus=1"],
+     "cluster.server_gpus + cluster.learner_gpus = 1.5 > 1"),
     (["cluster.backend=ray", "learner.weight_sync=nccl", "server.device=cpu"], "needs CUDA servers"),
     (["cluster.backend=ray", "learner.nnodes=2", "learner.rdzv_endpoint=h:29400"], "learner.nproc only"),
     (["cluster.address=h:6379"], "cluster.address only apply to cluster.backend=ray"),
@@ -36,6 +38,7 @@ def test_combinations_that_cannot_work_are_refused(over, message):
     ["cluster.backend=ray", "cluster.address=auto", "cluster.server_resources={a: 1}"],
     ["cluster.backend=ray", "cluster.colocate=true", "learner.weight_sync=tensor", "server.device=cuda"],
     ["cluster.backend=ray", URL, MODEL, "cluster.shared_fs=true"],
+    ["cluster.backend=ray", "cluster.colocate=true", "cluster.server_gpus=0.25", "cluster.learner_gpus=0.75"],
     ["cluster.backend=ray", URL, MODEL, "learner.weight_sync=nccl"],
     ["learner.nnodes=2", "learner.rdzv_endpoint=h:1"],
     ["cluster.gpu_memory_gib=80"],  # the planning keys are not Ray's
