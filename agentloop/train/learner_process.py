@@ -53,7 +53,10 @@ class LearnerProcess:
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
         self.node_args = {"run_dir": str(run_dir), "model_path": str(model_path), "nproc": cfg.learner.nproc,
                           "nnodes": cfg.learner.nnodes, "rdzv_endpoint": cfg.learner.rdzv_endpoint,
-                          "rdzv_id": rdzv_id(run_dir), "config": str(run_dir / "config.yaml"),
+                          "rdzv_id": rdzv_id(run_dir),
+                          # outlasts the run's own wait for the learner, whose timeout names the missing nodes
+                          "rdzv_join_timeout_s": cfg.train.learner_ready_timeout_s + 60,
+                          "config": str(run_dir / "config.yaml"),
                           "resume": cfg.train.resume}
         """learner_command's arguments: every node of a multi-node learner runs the same (`node_command`)."""
         self.cmd = learner_command(**self.node_args)
@@ -131,20 +134,24 @@ def learner_command(
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
+    rdzv_join_timeout_s: float | None = None,
     config: str | Path | None = None,
     overrides: list[str] | None = None,
     resume: bool = True,
     python: str = sys.executable,
 ) -> list[str]:
     """argv that launches the mailbox learner: torchrun for nproc > 1 (one host) or nnodes > 1 (this host's share,
-    joining torchrun's c10d rendezvous at `rdzv_endpoint`; every node runs the same command), plain python
-    otherwise."""
+    joining torchrun's c10d rendezvous at `rdzv_endpoint`, waiting `rdzv_join_timeout_s` for the other nodes (None:
+    torchrun's 600 s); every node runs the same command), plain python otherwise."""
     if nnodes > 1:
         if not rdzv_endpoint:
             raise ConfigError(f"a learner over {nnodes} nodes needs learner.rdzv_endpoint=HOST:PORT")
         cmd = [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'agentloop'}",
-               "--max-restarts=0", "-m", "agentloop.train.learner"]
+               "--max-restarts=0"]
+        if rdzv_join_timeout_s is not None:
+            cmd.append(f"--rdzv-conf=join_timeout={int(rdzv_join_timeout_s)}")
+        cmd += ["-m", "agentloop.train.learner"]
     elif nproc > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "agentloop.train.learner"]

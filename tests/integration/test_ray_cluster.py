@@ -9,6 +9,8 @@ node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLan
     weight update cuts short are continued, no episode aborted;
   * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
     command resumes from that checkpoint on the learner's node and finishes;
+  * a server actor killed with its restart allowed: Ray restarts it at its URL, and the run re-admits it only once
+    it serves the current weights (a copy of them fetched again to its node);
   * learner ranks that Ray places on two nodes sharing no filesystem are refused before any rank starts.
 """
 
@@ -214,6 +216,69 @@ def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     assert (learner_dir / "weights" / "step-000004").is_dir()
     assert not MailboxPaths(run_dir).mailbox.exists() or not any(MailboxPaths(run_dir).mailbox.glob("step-*"))
+
+
+def test_a_server_actor_ray_restarts_is_readmitted_only_once_it_serves_the_current_weights(nodes, tiny_model_path):
+    run_dir, plugin, stall, calls = (nodes.driver / "run-restart", nodes.driver / "reward_stall.py",
+                                     nodes.driver / "stall", nodes.driver / "calls")
+    log = nodes.driver / "run-restart.log"
+    # while `stall` exists, the reward holds every episode after step 1's four (schedule sync: step 2's come after
+    # them): the run stays at version 1 (step 1's weights) for as long as the restarted server takes to come back. The count is in a locked file: rewards run
+    # in worker processes.
+    plugin.write_text(
+        "import fcntl, os, time\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    with open({str(calls)!r}, 'a+') as fh:\n"
+        "        fcntl.flock(fh, fcntl.LOCK_EX)\n"
+        "        fh.seek(0)\n"
+        "        n = int(fh.read() or 0) + 1\n"
+        "        fh.seek(0)\n"
+        "        fh.truncate()\n"
+        "        fh.write(str(n))\n"
+        f"    while n > 4 and os.path.exists({str(stall)!r}):\n"
+        "        time.sleep(0.2)\n"
+        "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
+    stall.touch()
+    cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "server.num_local=2",
+               "sampling.max_new_tokens=6", "learner.checkpoint_every=null", "reward.timeout_s=900",
+               "cluster.server_restarts=1", "train.schedule=sync")
+    ray = _ray()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
+    try:
+        _wait(proc, log, lambda: len(_lines(run_dir / "metrics.jsonl")) >= 1, "step 1's row")
+        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
+        try:
+            name = f"agentloop-{run_dir.name}-server1"
+            before = ray.get(ray.get_actor(name).info.remote())
+            ray.kill(ray.get_actor(name), no_restart=False)  # Ray restarts it (cluster.server_restarts=1)
+            url = before["url"]
+            _wait(proc, log, lambda: f"server {url} re-admitted at version 1" in log.read_text(),
+                  "the restarted server's re-admission")
+            after = ray.get(ray.get_actor(name).info.remote(), timeout=60)
+        finally:
+            ray.shutdown()
+        stall.unlink()
+        assert proc.wait(600) == 0, log.read_text()[-4000:]
+    finally:
+        stall.unlink(missing_ok=True)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log.read_text()
+    print(out[-3000:])
+    # the same URL served by a new process, ejected first, back only at version 1
+    assert after["url"] == url and after["pid"] != before["pid"]
+    lines = out.splitlines()
+    ejected = next(i for i, ln in enumerate(lines) if url in ln and "ejected" in ln)
+    readmitted = next(i for i, ln in enumerate(lines) if f"server {url} re-admitted at version 1" in ln)
+    assert ejected < readmitted and not any(f"server {url} re-admitted at version 0" in ln for ln in lines)
+    # its node got step 1's weights again for the new process (before its re-admission), then steps 2 and 3
+    copies = [Path(json.loads(ln)["to"]).name for ln in _lines(Path(before["dir"]) / "weights.jsonl")]
+    assert copies == ["step-000001", "step-000001", "step-000002", "step-000003"], copies
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0] and rows[-1]["server/readmissions"] >= 1
+    assert rows[-1]["server/healthy"] == 2.0
 
 
 def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(nodes, tmp_path):

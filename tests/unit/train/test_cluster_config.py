@@ -64,5 +64,13 @@ def test_a_learner_over_nodes_needs_its_rendezvous_and_every_node_runs_one_comma
     cmd = learner_command(tmp_path, "/m", nproc=2, nnodes=3, rdzv_endpoint="h:29400", rdzv_id="x")
     assert cmd[1:9] == ["-m", "torch.distributed.run", "--nnodes=3", "--nproc-per-node=2", "--rdzv-backend=c10d",
                         "--rdzv-endpoint=h:29400", "--rdzv-id=x", "--max-restarts=0"]
+    # the rendezvous outwaits the run's wait for a ready learner, whose timeout names what is missing
+    cmd = learner_command(tmp_path, "/m", nnodes=2, rdzv_endpoint="h:1", rdzv_join_timeout_s=660.0)
+    assert cmd[9:12] == ["--rdzv-conf=join_timeout=660", "-m", "agentloop.train.learner"]
+    from agentloop.train.learner_process import LearnerProcess
+
+    lp = LearnerProcess(load_config(None, ["learner.nnodes=2", "learner.rdzv_endpoint=h:1",
+                                           "train.learner_ready_timeout_s=100"]), tmp_path, tmp_path / "m")
+    assert "--rdzv-conf=join_timeout=160" in lp.cmd
     with pytest.raises(ConfigError, match="learner_node.json is missing"):
         node_command(tmp_path)
