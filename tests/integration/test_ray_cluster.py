@@ -5,8 +5,9 @@ node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLan
   * three steps end to end with two server actors, one killed mid-rollout: no episode is lost (every step trains
     whole groups of every prompt, none aborted), records and metrics come back to the driver, and no file path
     crosses from one node's scratch dir to the other's (the learner's weights reach the servers through Ray);
-  * the episodes on two rollout worker actors (their ServerManagers following the driver's): calls an abort-mode
-    weight update cuts short are continued, no episode aborted;
+  * the episodes on two rollout worker actors (their ServerManagers following the driver's), in each interrupt
+    mode: no episode aborted, every token stamped with the version that sampled it; abort: the calls a weight
+    update cuts short are continued under the new weights;
   * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
     command resumes from that checkpoint on the learner's node and finishes;
   * a server actor killed with its restart allowed: Ray restarts it at its URL, and the run re-admits it only once
@@ -30,7 +31,7 @@ from agentloop.records import read_records
 from agentloop.train.checkpoint import latest_checkpoint
 from agentloop.train.mailbox import MailboxPaths
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]  # real servers, restarts
 
 REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
           "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
@@ -157,11 +158,12 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     assert summary["learner_exit"] == 0
 
 
-def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, tiny_model_path, tmp_path):
-    run_dir, plugin, log = nodes.driver / "run-workers", nodes.driver / "reward.py", tmp_path / "run.log"
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, tiny_model_path, tmp_path, mode):
+    run_dir, plugin, log = nodes.driver / f"run-workers-{mode}", nodes.driver / "reward.py", tmp_path / "run.log"
     plugin.write_text(REWARD)
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "sampling.max_new_tokens=400",
-               "learner.checkpoint_every=null", "cluster.rollout_workers=2", "train.interrupt=abort")
+               "learner.checkpoint_every=null", "cluster.rollout_workers=2", f"train.interrupt={mode}")
     with log.open("wb") as out_file:
         proc = subprocess.run(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=_env(nodes), timeout=600)
     out = log.read_text()
@@ -169,13 +171,22 @@ def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, ti
     assert "episodes run on 2 rollout worker(s)" in out
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
-    recs = [r for s in (1, 2, 3) for r in read_records(run_dir / "rollouts" / f"step-{s:06d}.jsonl")]
+    by_step = {s: list(read_records(run_dir / "rollouts" / f"step-{s:06d}.jsonl")) for s in (1, 2, 3)}
+    recs = [r for s in (1, 2, 3) for r in by_step[s]]
     assert len(recs) == 12 and all(r.error is None and r.finish_reason != "abort" for r in recs)
-    # groups of the next step run on the workers while a step's weights are pushed (async, η = 1): the pause cut
-    # some of their calls, which continued under the new weights, their tokens of both versions
-    assert sum(r["async/episodes_continued"] for r in rows) >= 1, [r["async/episodes_continued"] for r in rows]
-    both = [r for r in recs if r.metrics.get("interrupted_calls", 0) > 0]
-    assert both and all(len(set(v for v, m in zip(r.token_versions, r.response_mask) if m)) == 2 for r in both)
+    # every token stamped with the version that sampled it, in order, within the staleness bound (η = 1): a call
+    # the push reached went on under the new weights (retract: requeued in the server; in_place: paused where it
+    # was; abort: cut and continued by the worker)
+    for s, step_recs in by_step.items():
+        for r in step_recs:
+            vs = [v for v, m in zip(r.token_versions, r.response_mask) if m]
+            assert vs == sorted(vs) and s - 2 <= vs[0] and vs[-1] <= s - 1, (mode, s, sorted(set(vs)))
+    if mode == "abort":
+        # groups of the next step run on the workers while a step's weights are pushed (async, η = 1): the pause
+        # cut some of their calls, which continued under the new weights, their tokens of both versions
+        assert sum(r["async/episodes_continued"] for r in rows) >= 1, [r["async/episodes_continued"] for r in rows]
+        both = [r for r in recs if r.metrics.get("interrupted_calls", 0) > 0]
+        assert both and all(len(set(v for v, m in zip(r.token_versions, r.response_mask) if m)) == 2 for r in both)
 
 
 def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes(nodes, tiny_model_path, tmp_path):
