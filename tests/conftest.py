@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-# Importing transformers' tokenizer stack (it pulls in sentencepiece, a SWIG module) while
-# `filterwarnings = error` is active leaves the interpreter to die with SIGSEGV at exit (exit
-# code 139 after all tests passed; SWIG types warn "builtin type ... has no __module__
-# attribute" as they are built). Import it once here, with warnings ignored, so tests that
-# load tokenizers or models reuse the already-initialised modules.
+# SWIG modules (sentencepiece, which transformers loads lazily, in whichever test first needs a
+# slow tokenizer) warn "builtin type swigvarlink has no __module__ attribute" while building their
+# types; under `filterwarnings = error` that warning, raised inside the module's C init, left the
+# interpreter to die with SIGSEGV at exit (exit code 139 after all tests passed). pyproject.toml
+# ignores exactly those warnings; importing the tokenizer stack once here keeps it out of the tests.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     try:

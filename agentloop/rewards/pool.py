@@ -31,7 +31,6 @@ import asyncio
 import concurrent.futures
 import importlib
 import importlib.machinery
-import importlib.util
 import multiprocessing.connection
 import os
 import signal
@@ -43,6 +42,7 @@ from typing import Any, Callable, Literal
 
 from agentloop.errors import RewardError
 from agentloop.rewards.scoring import RewardCallable, RewardResult, call_reward, normalize_reward
+from agentloop.util.cache import exec_module_file
 
 RewardRef = tuple[str, str | None, str]
 """(module name, the module's file or None, qualified name): what a worker imports a reward by."""
@@ -88,16 +88,7 @@ def resolve_ref(ref: RewardRef) -> RewardCallable:
         if path is None:
             module = importlib.import_module(mod_name)
         else:
-            spec = importlib.util.spec_from_file_location(mod_name, path)
-            if spec is None or spec.loader is None:
-                raise RewardError(f"reward module {mod_name!r} cannot be loaded from {path!r}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[mod_name]
-                raise
+            module = exec_module_file(mod_name, path)
     obj: Any = module
     for part in qual.split("."):
         obj = getattr(obj, part)

@@ -52,7 +52,13 @@ def import_python_file(path: Path, prefix: str) -> ModuleType:
     name = f"{prefix}_{path.stem}_{sha256(str(resolved).encode()).hexdigest()[:10]}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
+    return exec_module_file(name, resolved)
+
+
+def exec_module_file(name: str, path: Path | str) -> ModuleType:
+    """Execute the .py file at `path` as module `name` (in sys.modules while it runs, as an import is, and
+    taken out again when it raises)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{str(path)!r} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(spec)

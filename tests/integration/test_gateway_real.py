@@ -179,18 +179,31 @@ def test_a_weight_update_in_the_middle_of_a_gateway_request(warm, tmp_path):
 
     async def main():
         async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
-            called = asyncio.Event()
-            generate = sm.generate
+            called, cut = asyncio.Event(), asyncio.Queue()
+            once = sm._generate_once
 
-            async def spy(*a, **kw):
+            async def spy(episode_id, *a, **kw):
+                if episode_id == "probe":
+                    return await once(episode_id, *a, **kw)
                 called.set()
-                return await generate(*a, **kw)
+                out = await once(episode_id, *a, **kw)
+                cut.put_nowait(len(out.token_ids))
+                return out
 
-            sm.generate = spy
+            sm._generate_once = spy
             engine = RolloutEngine(cfg, sm, tok, get_agent_loop("openai_agent_loop"), progress=False)
             task = asyncio.create_task(engine.run(load_samples(cfg.data)[:1], n_samples=1))
-            await called.wait()
-            await sm.pause("abort")
+            # Cut the request only once the server has sampled some of it: a probe sent after it is answered
+            # only after a few decode steps of the running batch. Should the pause still land before its first
+            # token (nothing of version 0 to keep), let it run again and cut it again.
+            for _ in range(5):
+                await called.wait()
+                called.clear()
+                await sm.generate("probe", prompt_ids=[5, 6, 7], sampling_params={"max_new_tokens": 8})
+                await sm.pause("abort")
+                if await cut.get() > 0:
+                    break
+                await sm.resume()
             await sm.update_weights_from_disk(str(v1), weight_version=1)
             await sm.resume()
             sm.expect_version(1)
