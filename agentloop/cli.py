@@ -8,7 +8,8 @@
                   GRPO (embedded default: agentloop/presets/train_tiny.yaml); --data trains on a file (validation:
                   --val-data, else a slice held out of it); --run-dir of an existing run resumes it with its
                   saved config.yaml plus the values given now (model, data, algo.*, learner.* changes need --force)
-    agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
+    agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C] [--bench-episodes N]
+                          [--bench-kinds single,tool] [--scripted-server]   engine vs bare client, capacity
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
     agentloop bench gateway [...same flags...] [--bench-prompts N] [--bench-samples K] [--bench-rounds R]
                           your agent through the gateway vs tool_agent_loop, episodes/s (main job's preset)
@@ -178,7 +179,24 @@ def make_parser() -> argparse.ArgumentParser:
     br.add_argument("--bench-new-tokens", type=int, default=64)
     br.add_argument("--bench-rounds", type=int, default=2, help="alternating rounds per side")
     br.add_argument("--bench-episodes", type=int, default=2000,
-                    help="concurrent episodes for the capacity test (0 skips it)")
+                    help="capacity test: episodes in flight at once (0 skips it)")
+    br.add_argument("--bench-kinds", default="single,tool",
+                    help="capacity workloads: single (single_turn_agent_loop), tool (tool_agent_loop, calculator)")
+    br.add_argument("--bench-turns", type=int, default=3, help="capacity: turns of a tool episode")
+    br.add_argument("--bench-waves", type=int, default=2,
+                    help="capacity: episodes run = waves x --bench-episodes (later waves start as earlier ones end)")
+    br.add_argument("--bench-group", type=int, default=4, help="capacity: episodes per prompt (GRPO group)")
+    br.add_argument("--bench-new-tokens-per-turn", type=int, default=64, help="capacity: max new tokens per turn")
+    br.add_argument("--bench-side-timeout-s", type=float, default=1800, help="capacity: deadline of one side")
+    br.add_argument("--scripted-server", action="store_true",
+                    help="bench against scripted SGLang servers started in their own processes (no model: "
+                         "they answer after --bench-latency-s, tool calls scripted) instead of real ones")
+    br.add_argument("--bench-servers", type=int, default=1, help="--scripted-server: how many")
+    br.add_argument("--bench-latency-s", type=float, default=10.0, help="--scripted-server: latency of an answer")
+    br.add_argument("--bench-jitter", type=float, default=0.5,
+                    help="--scripted-server: latencies spread over [1 - j, 1 + j] x --bench-latency-s")
+    br.add_argument("--bench-cache-tokens", type=int, default=0,
+                    help="--scripted-server: prefix cache capacity in tokens (0: none)")
     br.add_argument("--out", help="write the report JSON here")
     bt = bsub.add_parser("tools", help="tool loop vs single-turn loop on the same prompts: episodes/s, tok/s, "
                                        "share of time in tools and generation")
