@@ -24,8 +24,9 @@ Hot path (per request, on the event loop): the prompt's ids (a TrajectoryBuilder
 serialised with orjson into one POST sent over pooled keep-alive HTTP/1.1 connections (agentloop.util.http1:
 a fraction of aiohttp's CPU per request; https URLs and every admin call go through aiohttp); the answer is
 parsed with orjson and its ids and logprobs validated once, by TokenOutput's compiled validation (the slow
-per-token diagnosis runs only when that fails). After the answer, the caller's next step waits for room in
-the event loop's current iteration (agentloop.util.pacing), so a burst of answers never blocks the loop.
+per-token diagnosis runs only when that fails). When the answer arrives, its parsing and the caller's next step
+wait for room in the event loop's current iteration (agentloop.util.pacing), so a burst of answers never
+blocks the loop.
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
@@ -434,9 +435,6 @@ class ServerManager:
         out.token_ids, out.logprobs, out.token_versions = ids, lps, vers
         out.interrupted = interrupted
         out.latency_s = time.monotonic() - t0
-        # The caller's next step (parse, tools, the next request) waits for room in this loop iteration, so a
-        # burst of answers never runs as one long iteration (agentloop.util.pacing).
-        await step_gate().enter()
         return out
 
     async def _generate_once(self, episode_id: str, prompt_ids: Sequence[int], sp: dict[str, Any]) -> TokenOutput:
@@ -459,8 +457,15 @@ class ServerManager:
             pauses = self._pauses
             try:
                 self._stats["requests"] += 1
-                body = await self._post_generate(url, data, timeout=max(0.001, min(self.cfg.request_timeout_s,
-                                                                                   deadline - ts)))
+                raw = await self._post_generate(url, data, timeout=max(0.001, min(self.cfg.request_timeout_s,
+                                                                                  deadline - ts)))
+                # The answer's parsing and the caller's next step (decode, tools, the next request) wait for room
+                # in this loop iteration: a burst of answers never runs as one long iteration (util.pacing).
+                await step_gate().enter()
+                try:
+                    body = orjson.loads(raw)
+                except orjson.JSONDecodeError as e:
+                    raise FatalRequestError(f"{url} sent a non-JSON body: {e}", server=url) from None
                 # Abort-mode interrupts abort whatever runs across them, so a call finished without an
                 # interrupt in between, or cut by one, ran under one version: the one the server reports.
                 single = self._pauses == pauses or self._pause_mode == "abort"
@@ -573,8 +578,8 @@ class ServerManager:
             self._say(f"server {self.urls[idx]} ejected after {self.router.servers[idx].consecutive_failures} "
                       f"failures ({self.router.healthy_count}/{len(self.urls)} healthy)")
 
-    async def _post_generate(self, url: str, data: bytes, timeout: float) -> Any:
-        """POST /generate and the answer's JSON; failures classified for the retry policy (module doc)."""
+    async def _post_generate(self, url: str, data: bytes, timeout: float) -> bytes:
+        """POST /generate; the answer's body (HTTP 2xx). Failures classified for the retry policy (module doc)."""
         if url.startswith("https://"):
             status, raw = await self._post_aiohttp(url, data, timeout)
         else:
@@ -593,10 +598,7 @@ class ServerManager:
         if status >= 400:
             raise FatalRequestError(f"{url} rejected the request (HTTP {status}): "
                                     f"{raw[:500].decode('utf-8', 'replace')}", server=url, status=status)
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise FatalRequestError(f"{url} sent a non-JSON body: {e}", server=url) from None
+        return raw
 
     async def _post_aiohttp(self, url: str, data: bytes, timeout: float) -> tuple[int, bytes]:
         to = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s))

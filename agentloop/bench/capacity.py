@@ -352,7 +352,7 @@ async def _probe_episode(cfg: Any, sm: Any, tokenizer: Any, row: dict[str, Any],
 
 
 def _register_forced_parser() -> None:
-    from agentloop.bench.tools import forced_parser
+    from agentloop.bench.forced import forced_parser
     from agentloop.tools.parsers import register_parser
 
     register_parser("bench_forced_calculator", forced_parser("calculator"), override=True)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentloop.bench.forced import FORCED_CALLS, forced_parser  # noqa: F401 - FORCED_CALLS re-exported
 from agentloop.config import Config, SamplingParams
 from agentloop.data import load_samples
 from agentloop.inference.serving import serving
@@ -38,26 +39,8 @@ from agentloop.loops.single_turn import SingleTurnAgentLoop
 from agentloop.models.loading import load_tokenizer_for, resolve_model
 from agentloop.records import AgentLoopOutput, EpisodeRecord, Sample, TokenOutput
 from agentloop.rollout.engine import RolloutEngine
-from agentloop.tools.parsers import ParseResult, ToolCall, register_parser
+from agentloop.tools.parsers import register_parser
 from agentloop.util.rundir import RecordWriter
-
-FORCED_CALLS: dict[str, dict[str, Any]] = {
-    "calculator": {"expression": "37 * 24 + 5"},
-    "python": {"code": "print(sum(i * i for i in range(1000)))"},
-    "search": {"query": "capital of Australia"},
-}
-"""Arguments of the scripted call per tool, for --bench-force-tools."""
-
-
-def forced_parser(tool: str):
-    """A tool-call parser that reads any text as one call of `tool` with FORCED_CALLS[tool]."""
-    arguments = FORCED_CALLS[tool]
-
-    def parse(text: str) -> ParseResult:
-        return ParseResult(calls=[ToolCall(name=tool, arguments=dict(arguments))], content=text)
-
-    return parse
-
 
 class _TimedSingleTurn(SingleTurnAgentLoop):
     """single_turn_agent_loop plus a gen_time_s metric (the one generate call's wall time)."""
