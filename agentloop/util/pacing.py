@@ -18,16 +18,18 @@ Who enters: the engine before an episode starts, and the ServerManager after eac
 next step runs (so turn continuations are paced too). Work between two gate entries (one step) is not cut;
 a slice bounds how many steps start in one iteration, so an iteration lasts about `slice_s` plus one step.
 
-Invariant: every `enter` returns (passes) exactly once or raises CancelledError; a waiter woken but
-cancelled before it ran does not hold up the others (the next iteration wakes more).
+Invariant: every `enter` returns (passes) exactly once or raises CancelledError; steps that wait pass in
+arrival order (tests/unit/rollout/test_pacing.py); a waiter woken but cancelled before it ran does not hold
+up the others (the next iteration wakes more).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 import weakref
-from collections import deque
 
 
 class SliceBudget:
@@ -69,11 +71,17 @@ class SliceBudget:
 
 
 class StepGate:
-    """`await gate.enter()` before a step of episode work (see the module docstring)."""
+    """`await gate.enter()` before a step of episode work (see the module docstring).
+
+    Waiters are kept in a heap by arrival ticket: a waiter woken into a spent slice waits again with its
+    ticket, so woken-and-requeued ones stay ahead of later arrivals and among themselves in arrival order
+    (a deque with appendleft reversed them). Cancelled waiters are dropped lazily when they reach the top."""
 
     def __init__(self, slice_s: float = 0.005):
         self.budget = SliceBudget(slice_s)
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._live = 0  # waiters not cancelled
+        self._tickets = itertools.count()
         self._tick_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -87,7 +95,7 @@ class StepGate:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._live
 
     def _schedule_tick(self) -> None:
         if not self._tick_pending:
@@ -98,46 +106,46 @@ class StepGate:
     def _tick(self) -> None:
         self._tick_pending = False
         self.budget.new_iteration()
-        for _ in range(self.budget.to_wake(len(self._waiters))):
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-        if self._waiters:
+        woken = 0
+        want = self.budget.to_wake(self._live)
+        while woken < want and self._waiters:
+            _, fut = heapq.heappop(self._waiters)
+            if fut.done():  # cancelled while waiting: already not counted
+                continue
+            self._live -= 1
+            fut.set_result(None)
+            woken += 1
+        if self._live:
             self._schedule_tick()
 
     async def enter(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         first = self.budget.t0 is None
-        if self.budget.admit(time.perf_counter(), queued=bool(self._waiters)):
+        if self.budget.admit(time.perf_counter(), queued=self._live > 0):
             if first:
                 self._schedule_tick()
             return
-        front = False
+        ticket = next(self._tickets)
         while True:
             fut = self._loop.create_future()
-            if front:
-                self._waiters.appendleft(fut)
-            else:
-                self._waiters.append(fut)
+            heapq.heappush(self._waiters, (ticket, fut))
+            self._live += 1
             self._schedule_tick()
             try:
                 await fut
             except asyncio.CancelledError:
-                if not fut.done():
+                if not fut.done() or fut.cancelled():  # not woken (Task.cancel cancels the awaited future)
                     fut.cancel()  # skipped by _tick
-                    try:
-                        self._waiters.remove(fut)
-                    except ValueError:
-                        pass
+                    self._live -= 1
                 raise
             if self.budget.admit_woken(time.perf_counter()):
                 self._schedule_tick()
                 return
-            front = True  # woken into a spent slice: first in line next time
+            # woken into a spent slice: waits again with its ticket, ahead of every later arrival
 
     def gauges(self) -> dict[str, float]:
-        return {"loop/steps_waiting": float(len(self._waiters)), "loop/steps_deferred": float(self.budget.deferred)}
+        return {"loop/steps_waiting": float(self._live), "loop/steps_deferred": float(self.budget.deferred)}
 
 
 _GATES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StepGate]" = weakref.WeakKeyDictionary()
