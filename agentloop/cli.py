@@ -22,6 +22,9 @@
     agentloop data check FILE      what is wrong with a verl .jsonl/.parquet file, row by row (exit 1 on errors)
     agentloop retriever serve --corpus FILE [--port 8000] [--topk 3]
                                    BM25 over a JSONL corpus behind Search-R1's /retrieve API
+    agentloop tools serve [--config F] [--plugin P]... [--host H] [--port N] [key.sub=value]...
+                                   the registered tools behind an HTTP service (tools.service.*); clients
+                                   use it with --tool-server-url URL (tools.server_url)
     agentloop build-model          build (or find) the cached tiny model and print its directory
     agentloop loops                list registered agent loops (plugins included)
     agentloop config [...]         print the resolved config without running anything
@@ -44,6 +47,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (see configs/)")
     p.add_argument("--server-url", action="append", default=[], metavar="URL",
                    help="use a running SGLang server (repeatable); default: launch local ones")
+    p.add_argument("--tool-server-url", action="append", default=[], metavar="URL",
+                   help="run the episodes' tools on this tool service (`agentloop tools serve`; repeatable, "
+                        "balanced): tools.server_url")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: built-in tiny model; "
                    "train with --server-url needs it: the directory the servers were started with)")
     p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
@@ -64,6 +70,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     if args.server_url:
         out.append("server.urls=" + json.dumps(args.server_url))
+    if getattr(args, "tool_server_url", None):
+        out.append("tools.server_url=" + json.dumps(args.tool_server_url))
     if args.model:
         out.append("model.path=" + json.dumps(args.model))
     if args.loop:
@@ -253,6 +261,15 @@ def make_parser() -> argparse.ArgumentParser:
     rs.add_argument("--topk", type=int, default=3, help="passages per query when a request names none")
     rs.add_argument("--k1", type=float, default=1.2, help="BM25 term-frequency saturation")
     rs.add_argument("--b", type=float, default=0.75, help="BM25 length normalisation")
+    tl = sub.add_parser("tools", help="tool service")
+    tlsub = tl.add_subparsers(dest="tools", required=True)
+    ts = tlsub.add_parser("serve", help="the registered tools (built-ins, plugins, tools.verl_tool_config) behind an "
+                                        "HTTP service: per-episode instances, leases, limits, /health, /metrics")
+    ts.add_argument("--config", help="YAML config file (its tools section is used)")
+    ts.add_argument("--plugin", action="append", default=[], metavar="P", help="import first (registers tools)")
+    ts.add_argument("--host", help="tools.service.host (default 127.0.0.1; another needs AGENTLOOP_TOOLS_TOKEN)")
+    ts.add_argument("--port", type=int, help="tools.service.port (default 8200; 0: a free one, printed)")
+    ts.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (tools.*)")
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
     tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")
     tp.add_argument("records", metavar="RECORDS.jsonl")
@@ -369,6 +386,26 @@ def _retriever_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tools_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from agentloop.config import load_config
+    from agentloop.rollout.run import load_plugins
+    from agentloop.tools.service import serve, token_from_env
+    from agentloop.util.runtime import run_async
+
+    extra = [f"tools.service.host={json.dumps(args.host)}"] if args.host else []
+    extra += [f"tools.service.port={args.port}"] if args.port is not None else []
+    cfg = load_config(args.config, list(args.overrides) + extra)
+    cfg.plugins = list(cfg.plugins) + [p for p in args.plugin if p not in cfg.plugins]
+    load_plugins(cfg)
+    try:
+        run_async(serve(cfg.tools, token=token_from_env()))
+    except OSError as e:
+        raise ConfigError(f"cannot serve on {cfg.tools.service.host}:{cfg.tools.service.port}: {e}") from None
+    return 0
+
+
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")
 
 
@@ -435,6 +472,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _data_prepare(args) if args.data == "prepare" else _data_check(args)
     if args.command == "retriever":
         return _retriever_serve(args)
+    if args.command == "tools":
+        return _tools_serve(args)
     if args.command == "trace":
         from agentloop.report.trace_html import write_trace_html
 

@@ -64,6 +64,7 @@ from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.config import ToolsConfig
 from agentloop.tools.parsers import ParseResult, ToolCall, get_parser
 from agentloop.tools.registry import get_tool
+from agentloop.tools.remote import remote_tool, service_pool
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class ToolAgentLoop(AgentLoopBase):
                 tool = given
             elif isinstance(given, type) and issubclass(given, BaseTool):
                 tool = given(cfg)
+            elif cfg.server_url:  # run by the tool services (agentloop.tools.remote); catalog fetched in run()
+                tool = remote_tool(cfg, n)
             else:
                 tool = (verl.get(n) or get_tool(n))(cfg)
             tools[tool.name] = tool
@@ -137,6 +140,8 @@ class ToolAgentLoop(AgentLoopBase):
         cfg = self.tools_config
         parser = get_parser(cfg.parser)
         info = self._template_info()
+        if cfg.server_url:
+            await service_pool(cfg).catalog()  # once per process; ToolServiceError when no service answers
         tools, create_kwargs = self._episode_tools(sample)
         schemas = [t.schema for t in tools.values()] or None
         messages: list[dict[str, Any]] = [dict(m) for m in sample.messages]
