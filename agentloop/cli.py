@@ -11,6 +11,7 @@
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C] [--bench-episodes N]
                           [--bench-kinds single,tool] [--scripted-server]   engine vs bare client, capacity
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
+                          [--remote [--bench-episodes 1000] [--scripted-server]]   local vs remote tools
     agentloop bench gateway [...same flags...] [--bench-prompts N] [--bench-samples K] [--bench-rounds R]
                           your agent through the gateway vs tool_agent_loop, episodes/s (main job's preset)
     agentloop bench train [--model PATH|tiny|qwen2.5-0.5b-shape] [--bench-sequences N] [--nproc N] ...
@@ -214,6 +215,19 @@ def make_parser() -> argparse.ArgumentParser:
     bt.add_argument("--bench-samples", type=int, default=2, help="episodes per prompt")
     bt.add_argument("--bench-force-tools", action="store_true",
                     help="read every turn as a tool call (measures the tool path with a model that never calls)")
+    bt.add_argument("--remote", action="store_true",
+                    help="local vs remote tools instead: tool_agent_loop with its tools in this process, then on a "
+                         "tool service (--tool-server-url, else one `agentloop tools serve` started here), "
+                         "--bench-episodes at once")
+    bt.add_argument("--bench-episodes", type=int, default=1000, help="--remote: episodes in flight (and per side)")
+    bt.add_argument("--bench-rounds", type=int, default=2, help="--remote: alternating rounds per side")
+    bt.add_argument("--bench-turns", type=int, default=3, help="--remote --scripted-server: turns of an episode")
+    bt.add_argument("--scripted-server", action="store_true",
+                    help="--remote: against a scripted SGLang server (answers scripted, calculator calls every turn "
+                         "but the last) instead of a real one")
+    bt.add_argument("--bench-latency-s", type=float, default=0.5, help="--scripted-server: latency of an answer")
+    bt.add_argument("--bench-jitter", type=float, default=0.5, help="--scripted-server: latency spread")
+    bt.set_defaults(bench_servers=1, bench_cache_tokens=0)
     bt.add_argument("--out", help="also write the report JSON here")
     bg = bsub.add_parser("gateway", help="your agent through the gateway (openai_agent_loop) vs tool_agent_loop: "
                                          "episodes/s on the same episodes and server")

@@ -20,6 +20,8 @@ Note the tool side's prompts are longer (the template lists the tools), so even 
 episode it prefills more than the single-turn side.
 
 Output: a table on stdout, `bench_tools.json` plus one records file per (set, side) in the run dir.
+
+`--remote`: local vs remote tools instead (agentloop.bench.remote_tools).
 """
 
 from __future__ import annotations
@@ -146,6 +148,13 @@ def format_report(report: dict[str, Any]) -> str:
 def run_bench_tools(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     from agentloop.bench.rollout import run_bench
 
+    if getattr(args, "remote", False):
+        from agentloop.bench.remote_tools import bench_remote_async, format_remote
+
+        run_dir, report = run_bench(cfg, args, "tools", bench_remote_async)
+        print(format_remote(report))
+        print(f"  report: {run_dir / 'bench_tools.json'}")
+        return report
     run_dir, report = run_bench(cfg, args, "tools", bench_tools_async)
     forced = "; tool calls FORCED (scripted parser, real generation and tools)" if report["forced_tools"] else ""
     print(f"bench tools ({report['prompts_per_set']} prompts x {report['samples']} samples per set, "
