@@ -12,6 +12,8 @@
                           [--bench-kinds single,tool] [--scripted-server]   engine vs bare client, capacity
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
                           [--remote [--bench-episodes 1000] [--scripted-server]]   local vs remote tools
+    agentloop bench cache [...same flags...] [--scripted-server] [--bench-servers 4] [--bench-episodes N]
+                          prefix-cache hit rate, sticky routing vs not, 3-turn tool episodes
     agentloop bench gateway [...same flags...] [--bench-prompts N] [--bench-samples K] [--bench-rounds R]
                           your agent through the gateway vs tool_agent_loop, episodes/s (main job's preset)
     agentloop bench train [--model PATH|tiny|qwen2.5-0.5b-shape] [--bench-sequences N] [--nproc N] ...
@@ -229,6 +231,22 @@ def make_parser() -> argparse.ArgumentParser:
     bt.add_argument("--bench-jitter", type=float, default=0.5, help="--scripted-server: latency spread")
     bt.set_defaults(bench_servers=1, bench_cache_tokens=0)
     bt.add_argument("--out", help="also write the report JSON here")
+    bc = bsub.add_parser("cache", help="prefix-cache hit rate across servers: sticky routing vs not, same 3-turn tool "
+                                       "episodes")
+    _common(bc)
+    bc.add_argument("--scripted-server", action="store_true",
+                    help="scripted SGLang servers modelling the radix cache (CPU) instead of real ones")
+    bc.add_argument("--bench-servers", type=int, default=4, help="--scripted-server: how many")
+    bc.add_argument("--bench-episodes", type=int, default=1000, help="episodes per side (all in flight at once)")
+    bc.add_argument("--bench-turns", type=int, default=3, help="turns of an episode")
+    bc.add_argument("--bench-rounds", type=int, default=2, help="alternating rounds per side")
+    bc.add_argument("--bench-cache-tokens", type=int, default=1_000_000,
+                    help="--scripted-server: each server's cache capacity in tokens")
+    bc.add_argument("--bench-think-tokens", type=int, default=64,
+                    help="--scripted-server: seeded tokens before each scripted turn (episodes diverge after turn 1)")
+    bc.add_argument("--bench-latency-s", type=float, default=0.5, help="--scripted-server: latency of an answer")
+    bc.add_argument("--bench-jitter", type=float, default=0.5, help="--scripted-server: latency spread")
+    bc.add_argument("--out", help="also write the report JSON here")
     bg = bsub.add_parser("gateway", help="your agent through the gateway (openai_agent_loop) vs tool_agent_loop: "
                                          "episodes/s on the same episodes and server")
     _common(bg)
@@ -536,6 +554,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.bench.tools import run_bench_tools
 
         run_bench_tools(cfg, args)
+        return 0
+    if args.command == "bench" and args.bench == "cache":
+        from agentloop.bench.cache import run_bench_cache
+
+        run_bench_cache(build_config(args), args)
         return 0
     if args.command == "bench" and args.bench == "gateway":
         from agentloop.bench.gateway import run_bench_gateway

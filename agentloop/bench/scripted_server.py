@@ -22,7 +22,7 @@ answers thousands of requests concurrently.
 Endpoints: POST /generate, /abort_request, /flush_cache, /pause_generation, /continue_generation;
 GET /health, /health_generate, /model_info, /server_info and /get_server_info (max_total_num_tokens = the
 cache capacity, internal_states[0].effective_max_running_requests_per_dp = `max_running_requests`), /stats
-(requests, prompt and cached tokens, evictions).
+(requests, prompt and cached tokens, evictions; the same for later turns: inputs holding a `turn_marker`).
 
 Simplification: no chunked request bodies, no pipelining beyond one request at a time per connection (aiohttp
 sends neither); pause is accepted and ignored.
@@ -160,6 +160,11 @@ class ScriptedSpec:
     script: list[list[int]] = field(default_factory=list)
     """Turn responses (token ids). The k-th entry answers an input holding k `turn_marker` ids (the last entry
     any later one); each is cut to the request's max_new_tokens. Empty: seeded filler tokens."""
+    think_ids: list[int] = field(default_factory=list)
+    """With `think_tokens`: each scripted turn starts with that many of these ids, drawn from the request's
+    sampling seed and turn, so episodes (GRPO siblings included) diverge after their first turn as sampled ones do."""
+    think_tokens: int = 0
+    """Seeded tokens before each scripted turn (0: the script alone, the same for every episode)."""
     turn_marker: int | None = None
     """Token id that counts turns in the input (e.g. `<tool_response>`)."""
     stop_ids: list[int] = field(default_factory=list)
@@ -188,7 +193,8 @@ class ScriptedServer:
         self.spec = spec
         self.host, self.port = host, port
         self.cache = PrefixCache(spec.cache_tokens)
-        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "aborted": 0}
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "aborted": 0,
+                      "later_turn_requests": 0, "later_turn_prompt_tokens": 0, "later_turn_cached_tokens": 0}
         self._pending: dict[str, tuple[asyncio.TimerHandle, Any]] = {}
         self._server: asyncio.AbstractServer | None = None
 
@@ -254,9 +260,12 @@ class ScriptedServer:
         sp = req.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 128))
         seed = int(sp.get("sampling_seed") or 0)
+        k = ids.count(spec.turn_marker) if spec.turn_marker is not None else 0
         if spec.script:
-            k = ids.count(spec.turn_marker) if spec.turn_marker is not None else 0
             turn = spec.script[min(k, len(spec.script) - 1)]
+            if spec.think_tokens and spec.think_ids:
+                h = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=32).digest()
+                turn = [spec.think_ids[h[i % 32] * (i + 1) % len(spec.think_ids)] for i in range(spec.think_tokens)] + turn
             out = turn[:max_new]
             finish = "stop" if len(out) == len(turn) and out and out[-1] in spec.stop_ids else "length"
         else:
@@ -272,6 +281,10 @@ class ScriptedServer:
         st["requests"] += 1
         st["prompt_tokens"] += len(ids)
         st["cached_tokens"] += cached
+        if k:  # a later turn of an episode (its input holds k tool responses): what sticky routing can reuse
+            st["later_turn_requests"] += 1
+            st["later_turn_prompt_tokens"] += len(ids)
+            st["later_turn_cached_tokens"] += cached
         latency = spec.base_s + spec.per_token_s * len(out) + spec.per_prefill_token_s * (len(ids) - cached)
         rid = str(req.get("rid") or f"anon-{st['requests']}")
         if spec.jitter:
