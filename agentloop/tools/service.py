@@ -92,8 +92,9 @@ class _Instance:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
+    """Whether binding `host` listens on the loopback interface only ("" and "0.0.0.0" listen everywhere)."""
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -222,8 +223,10 @@ class ToolService:
         self.m["calls"] += 1
         t0 = time.monotonic()
         self.m["calls_waiting"] += 1
+        waiting = True
         try:
             async with self._calls:
+                waiting = False
                 self.m["calls_waiting"] -= 1
                 self.m["calls_running"] += 1
                 try:
@@ -245,6 +248,8 @@ class ToolService:
             self.m["call_exceptions"] += 1
             return self._json({"exception": {"type": type(e).__name__, "message": str(e)}})
         finally:
+            if waiting:  # cancelled (the client went away) before its turn came
+                self.m["calls_waiting"] -= 1
             self.leases.touch(iid, time.monotonic())
         if resp.error is not None:
             self.m["call_errors"] += 1
