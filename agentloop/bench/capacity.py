@@ -112,6 +112,7 @@ class SideProbe:
 
     def start(self) -> None:
         gc.collect()
+        self.gc0 = [g["collections"] for g in gc.get_stats()]
         self.rss0 = rss_mb()
         self.cpu0, self.wait0, self.t0 = cpu_s(), runqueue_wait_s(), time.perf_counter()
         self.load0 = os.getloadavg()[0]
@@ -135,6 +136,7 @@ class SideProbe:
             "own_lag_p99_ms": lag["loop/own_lag_p99_ms"], "own_lag_max_ms": lag["loop/own_lag_max_ms"],
             "gc_pauses": len(self.gc_pauses), "gc_total_ms": 1000 * sum(self.gc_pauses),
             "gc_max_ms": 1000 * max(self.gc_pauses, default=0.0),
+            "gc_collections_by_generation": [g["collections"] - c for g, c in zip(gc.get_stats(), self.gc0)],
             "peak_inflight": self.peak_inflight, "rss_mb_before": self.rss0, "rss_mb_at_peak": self.rss_at_peak,
             "rss_mb_max": self.rss_max, "kb_per_inflight_episode": per,
             "loadavg_1m_start": self.load0, "loadavg_1m_end": os.getloadavg()[0],
