@@ -110,10 +110,10 @@ class ServerConfig(Section):
 
 
 class ManagerConfig(Section):
-    max_inflight_per_server: int = Field(default=256, ge=1)
-    """Cap on concurrent /generate requests per server; further requests wait or spill over. Not set: each
-    server's cap is what it reports it runs at once (SGLang's max_running_requests in /server_info), this
-    default only for a server that does not say; set: this number for every server."""
+    max_inflight_per_server: int | None = Field(default=None, ge=1)
+    """Cap on concurrent /generate requests per server; further requests wait or spill over. null (the
+    default): each server's cap is what it reports it runs at once (SGLang's max_running_requests in
+    /server_info), 256 for a server that does not say; a number: that cap for every server."""
     sticky: bool = True
     """Route all turns of an episode to the same server (prefix-cache reuse) unless it is full or down."""
     request_timeout_s: float = Field(default=600.0, gt=0)

@@ -88,6 +88,8 @@ from agentloop.util.pacing import step_gate
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _RESIZE_AFTER_S = 30.0
+DEFAULT_MAX_INFLIGHT = 256
+"""The cap of a server that does not report its capacity, while manager.max_inflight_per_server is null."""
 """A server that did not report its capacity is asked again no sooner than this."""
 
 ResyncHook = Callable[[str], Awaitable[None]]
@@ -231,8 +233,8 @@ class ServerManager:
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = config or ManagerConfig()
         self.vocab_size = vocab_size
-        self.router = Router(self.urls, self.cfg.max_inflight_per_server, self.cfg.eject_after_failures,
-                             sticky=self.cfg.sticky)
+        self.router = Router(self.urls, self.cfg.max_inflight_per_server or DEFAULT_MAX_INFLIGHT,
+                             self.cfg.eject_after_failures, sticky=self.cfg.sticky)
         for i in range(len(self.urls)):
             self.router.servers[i].version = initial_version
         self.resync: ResyncHook | None = None
@@ -539,7 +541,7 @@ class ServerManager:
                 return idx
             now = time.monotonic()
             availability = self.router.availability()
-            if availability is Availability.FULL and "max_inflight_per_server" not in self.cfg.model_fields_set \
+            if availability is Availability.FULL and self.cfg.max_inflight_per_server is None \
                     and len(self._sized) < len(self.urls) and not self._sizing:
                 self._sizing = True  # one ask at a time; waiters wake when caps change (_changed)
                 self._spawn(self._size_then_clear(), name="size-servers")
@@ -743,7 +745,7 @@ class ServerManager:
         Asked when it matters: the first time every admitted server is at its cap (`_acquire`), so a run
         that never fills the default cap never asks. A server that does not say keeps the default; it is
         asked again after `_RESIZE_AFTER_S` when the servers are full again."""
-        if "max_inflight_per_server" in self.cfg.model_fields_set:
+        if self.cfg.max_inflight_per_server is not None:
             return
         now = time.monotonic()
         todo = [i for i in range(len(self.urls))

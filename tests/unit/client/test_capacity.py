@@ -31,8 +31,8 @@ def _burst(fake_kwargs: dict, cfg: ManagerConfig, n: int):
                 sp = SamplingParams(max_new_tokens=2, temperature=1.0, seed=1)
                 tasks = [asyncio.create_task(sm.generate(f"e{i}", prompt_ids=[1, 2, i % 100 + 3], sampling_params=sp))
                          for i in range(n)]
-                want = min(n, fake_kwargs.get("max_running_requests") or cfg.max_inflight_per_server)
-                if "max_inflight_per_server" in cfg.model_fields_set:
+                want = min(n, fake_kwargs.get("max_running_requests") or cfg.max_inflight_per_server or 256)
+                if cfg.max_inflight_per_server is not None:
                     want = min(n, cfg.max_inflight_per_server)
                 await fake.wait_until(lambda f: f.inflight >= want, timeout=60)
                 await asyncio.sleep(0.2)  # not synchronisation: requests beyond the cap, if sent, arrive now
@@ -61,3 +61,14 @@ def test_set_cap_holds_and_the_server_is_not_asked():
 def test_server_that_does_not_say_keeps_the_default():
     peak, done, cap, asked = _burst({}, ManagerConfig(), 300)
     assert (peak, done, cap) == (256, 300, 256) and asked >= 1
+
+
+def test_a_saved_config_still_sizes_from_the_servers(tmp_path):
+    """config.yaml holds every field: a resumed run (or a copied config) must size as the fresh run did, not
+    read the fallback 256 back as a number the user set."""
+    from agentloop.config import dump_config, load_config
+
+    (tmp_path / "config.yaml").write_text(dump_config(load_config(None, [])))
+    saved = load_config(tmp_path / "config.yaml", []).manager
+    peak, done, cap, asked = _burst({"max_running_requests": 600}, saved, 500)
+    assert (peak, done, cap) == (500, 500, 600) and asked >= 1
