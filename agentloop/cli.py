@@ -10,8 +10,12 @@
                   saved config.yaml plus the values given now (model, data, algo.*, learner.* changes need --force)
                   --dry-run: the preflight every run makes (data, rewards, template, prompts, model, tools, GPU
                   memory plan), nothing started
-    agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C]
+    agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C] [--bench-episodes N]
+                          [--bench-kinds single,tool] [--scripted-server]   engine vs bare client, capacity
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
+                          [--remote [--bench-episodes 1000] [--scripted-server]]   local vs remote tools
+    agentloop bench cache [...same flags...] [--scripted-server] [--bench-servers 4] [--bench-episodes N]
+                          prefix-cache hit rate, sticky routing vs not, 3-turn tool episodes
     agentloop bench gateway [...same flags...] [--bench-prompts N] [--bench-samples K] [--bench-rounds R]
                           your agent through the gateway vs tool_agent_loop, episodes/s (main job's preset)
     agentloop bench train [--model PATH|tiny|qwen2.5-0.5b-shape] [--bench-sequences N] [--nproc N] ...
@@ -23,6 +27,9 @@
     agentloop data check FILE      what is wrong with a verl .jsonl/.parquet file, row by row (exit 1 on errors)
     agentloop retriever serve --corpus FILE [--port 8000] [--topk 3]
                                    BM25 over a JSONL corpus behind Search-R1's /retrieve API
+    agentloop tools serve [--config F] [--plugin P]... [--host H] [--port N] [key.sub=value]...
+                                   the registered tools behind an HTTP service (tools.service.*); clients
+                                   use it with --tool-server-url URL (tools.server_url)
     agentloop build-model          build (or find) the cached tiny model and print its directory
     agentloop loops                list registered agent loops (plugins included)
     agentloop config [...]         print the resolved config without running anything
@@ -45,6 +52,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (see configs/)")
     p.add_argument("--server-url", action="append", default=[], metavar="URL",
                    help="use a running SGLang server (repeatable); default: launch local ones")
+    p.add_argument("--tool-server-url", action="append", default=[], metavar="URL",
+                   help="run the episodes' tools on this tool service (`agentloop tools serve`; repeatable, "
+                        "balanced): tools.server_url")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: built-in tiny model; "
                    "train with --server-url needs it: the directory the servers were started with)")
     p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
@@ -65,6 +75,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     if args.server_url:
         out.append("server.urls=" + json.dumps(args.server_url))
+    if getattr(args, "tool_server_url", None):
+        out.append("tools.server_url=" + json.dumps(args.tool_server_url))
     if args.model:
         out.append("model.path=" + json.dumps(args.model))
     if args.loop:
@@ -191,7 +203,24 @@ def make_parser() -> argparse.ArgumentParser:
     br.add_argument("--bench-new-tokens", type=int, default=64)
     br.add_argument("--bench-rounds", type=int, default=2, help="alternating rounds per side")
     br.add_argument("--bench-episodes", type=int, default=2000,
-                    help="concurrent episodes for the capacity test (0 skips it)")
+                    help="capacity test: episodes in flight at once (0 skips it)")
+    br.add_argument("--bench-kinds", default="single,tool",
+                    help="capacity workloads: single (single_turn_agent_loop), tool (tool_agent_loop, calculator)")
+    br.add_argument("--bench-turns", type=int, default=3, help="capacity: turns of a tool episode")
+    br.add_argument("--bench-waves", type=int, default=2,
+                    help="capacity: episodes run = waves x --bench-episodes (later waves start as earlier ones end)")
+    br.add_argument("--bench-group", type=int, default=4, help="capacity: episodes per prompt (GRPO group)")
+    br.add_argument("--bench-new-tokens-per-turn", type=int, default=64, help="capacity: max new tokens per turn")
+    br.add_argument("--bench-side-timeout-s", type=float, default=1800, help="capacity: deadline of one side")
+    br.add_argument("--scripted-server", action="store_true",
+                    help="bench against scripted SGLang servers started in their own processes (no model: "
+                         "they answer after --bench-latency-s, tool calls scripted) instead of real ones")
+    br.add_argument("--bench-servers", type=int, default=1, help="--scripted-server: how many")
+    br.add_argument("--bench-latency-s", type=float, default=10.0, help="--scripted-server: latency of an answer")
+    br.add_argument("--bench-jitter", type=float, default=0.5,
+                    help="--scripted-server: latencies spread over [1 - j, 1 + j] x --bench-latency-s")
+    br.add_argument("--bench-cache-tokens", type=int, default=0,
+                    help="--scripted-server: prefix cache capacity in tokens (0: none)")
     br.add_argument("--out", help="write the report JSON here")
     bt = bsub.add_parser("tools", help="tool loop vs single-turn loop on the same prompts: episodes/s, tok/s, "
                                        "share of time in tools and generation")
@@ -201,7 +230,36 @@ def make_parser() -> argparse.ArgumentParser:
     bt.add_argument("--bench-samples", type=int, default=2, help="episodes per prompt")
     bt.add_argument("--bench-force-tools", action="store_true",
                     help="read every turn as a tool call (measures the tool path with a model that never calls)")
+    bt.add_argument("--remote", action="store_true",
+                    help="local vs remote tools instead: tool_agent_loop with its tools in this process, then on a "
+                         "tool service (--tool-server-url, else one `agentloop tools serve` started here), "
+                         "--bench-episodes at once")
+    bt.add_argument("--bench-episodes", type=int, default=1000, help="--remote: episodes in flight (and per side)")
+    bt.add_argument("--bench-rounds", type=int, default=2, help="--remote: alternating rounds per side")
+    bt.add_argument("--bench-turns", type=int, default=3, help="--remote --scripted-server: turns of an episode")
+    bt.add_argument("--scripted-server", action="store_true",
+                    help="--remote: against a scripted SGLang server (answers scripted, calculator calls every turn "
+                         "but the last) instead of a real one")
+    bt.add_argument("--bench-latency-s", type=float, default=0.5, help="--scripted-server: latency of an answer")
+    bt.add_argument("--bench-jitter", type=float, default=0.5, help="--scripted-server: latency spread")
+    bt.set_defaults(bench_servers=1, bench_cache_tokens=0)
     bt.add_argument("--out", help="also write the report JSON here")
+    bc = bsub.add_parser("cache", help="prefix-cache hit rate across servers: sticky routing vs not, same 3-turn tool "
+                                       "episodes")
+    _common(bc)
+    bc.add_argument("--scripted-server", action="store_true",
+                    help="scripted SGLang servers modelling the radix cache (CPU) instead of real ones")
+    bc.add_argument("--bench-servers", type=int, default=4, help="--scripted-server: how many")
+    bc.add_argument("--bench-episodes", type=int, default=1000, help="episodes per side (all in flight at once)")
+    bc.add_argument("--bench-turns", type=int, default=3, help="turns of an episode")
+    bc.add_argument("--bench-rounds", type=int, default=2, help="alternating rounds per side")
+    bc.add_argument("--bench-cache-tokens", type=int, default=1_000_000,
+                    help="--scripted-server: each server's cache capacity in tokens")
+    bc.add_argument("--bench-think-tokens", type=int, default=64,
+                    help="--scripted-server: seeded tokens before each scripted turn (episodes diverge after turn 1)")
+    bc.add_argument("--bench-latency-s", type=float, default=0.5, help="--scripted-server: latency of an answer")
+    bc.add_argument("--bench-jitter", type=float, default=0.5, help="--scripted-server: latency spread")
+    bc.add_argument("--out", help="also write the report JSON here")
     bg = bsub.add_parser("gateway", help="your agent through the gateway (openai_agent_loop) vs tool_agent_loop: "
                                          "episodes/s on the same episodes and server")
     _common(bg)
@@ -248,6 +306,15 @@ def make_parser() -> argparse.ArgumentParser:
     rs.add_argument("--topk", type=int, default=3, help="passages per query when a request names none")
     rs.add_argument("--k1", type=float, default=1.2, help="BM25 term-frequency saturation")
     rs.add_argument("--b", type=float, default=0.75, help="BM25 length normalisation")
+    tl = sub.add_parser("tools", help="tool service")
+    tlsub = tl.add_subparsers(dest="tools", required=True)
+    ts = tlsub.add_parser("serve", help="the registered tools (built-ins, plugins, tools.verl_tool_config) behind an "
+                                        "HTTP service: per-episode instances, leases, limits, /health, /metrics")
+    ts.add_argument("--config", help="YAML config file (its tools section is used)")
+    ts.add_argument("--plugin", action="append", default=[], metavar="P", help="import first (registers tools)")
+    ts.add_argument("--host", help="tools.service.host (default 127.0.0.1; another needs AGENTLOOP_TOOLS_TOKEN)")
+    ts.add_argument("--port", type=int, help="tools.service.port (default 8200; 0: a free one, printed)")
+    ts.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (tools.*)")
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
     tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")
     tp.add_argument("records", metavar="RECORDS.jsonl")
@@ -364,6 +431,26 @@ def _retriever_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tools_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from agentloop.config import load_config
+    from agentloop.rollout.run import load_plugins
+    from agentloop.tools.service import serve, token_from_env
+    from agentloop.util.runtime import run_async
+
+    extra = [f"tools.service.host={json.dumps(args.host)}"] if args.host else []
+    extra += [f"tools.service.port={args.port}"] if args.port is not None else []
+    cfg = load_config(args.config, list(args.overrides) + extra)
+    cfg.plugins = list(cfg.plugins) + [p for p in args.plugin if p not in cfg.plugins]
+    load_plugins(cfg)
+    try:
+        run_async(serve(cfg.tools, token=token_from_env()))
+    except OSError as e:
+        raise ConfigError(f"cannot serve on {cfg.tools.service.host}:{cfg.tools.service.port}: {e}") from None
+    return 0
+
+
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")
 
 
@@ -449,6 +536,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         cmd = node_command(args.run_dir)
         print(f"agentloop learner-node: {' '.join(cmd)}", file=sys.stderr, flush=True)
         return subprocess.call(cmd)
+    if args.command == "tools":
+        return _tools_serve(args)
     if args.command == "trace":
         from agentloop.report.trace_html import write_trace_html
 
@@ -502,6 +591,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.bench.tools import run_bench_tools
 
         run_bench_tools(cfg, args)
+        return 0
+    if args.command == "bench" and args.bench == "cache":
+        from agentloop.bench.cache import run_bench_cache
+
+        run_bench_cache(build_config(args), args)
         return 0
     if args.command == "bench" and args.bench == "gateway":
         from agentloop.bench.gateway import run_bench_gateway

@@ -111,8 +111,10 @@ class ServerConfig(Section):
 
 
 class ManagerConfig(Section):
-    max_inflight_per_server: int = Field(default=256, ge=1)
-    """Cap on concurrent /generate requests per server; further requests wait or spill over."""
+    max_inflight_per_server: int | None = Field(default=None, ge=1)
+    """Cap on concurrent /generate requests per server; further requests wait or spill over. null (the
+    default): each server's cap is what it reports it runs at once (SGLang's max_running_requests in
+    /server_info), 256 for a server that does not say; a number: that cap for every server."""
     sticky: bool = True
     """Route all turns of an episode to the same server (prefix-cache reuse) unless it is full or down."""
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -210,6 +212,11 @@ class RolloutConfig(Section):
     attempt when a prompt is given out again): the same row twice, or in a later epoch, gets fresh noise."""
     progress_interval_s: float = Field(default=2.0, gt=0)
     """Seconds between progress lines."""
+    step_slice_ms: float = Field(default=5.0, gt=0)
+    """Episode work one event-loop iteration may start, in milliseconds: episode starts and the steps after
+    each server answer (parse, tools, the next request) beyond it wait for the next iteration, in arrival
+    order, so timers, health probes and I/O are never starved when thousands of episodes move at once
+    (agentloop.util.pacing). Lower: less loop lag; the lag p99 stays near this plus one step."""
 
 
 class RewardConfig(Section):

@@ -1,7 +1,8 @@
 """Load balancing and server health as a plain synchronous state machine (no event loop).
 
     ServerState   counters of one server: in-flight requests, health, failures, the weight version it serves
-    Router        least-outstanding-requests choice with sticky episodes, a per-server cap,
+    Router        least-outstanding-requests choice with sticky episodes, a cap per server (its own, or one
+                  for all),
                   spill-over, eject/re-admit by consecutive failures, and the version rule below
 
 Version rule: once `expected_version` is set (training), a server is admitted only while it serves
@@ -42,6 +43,9 @@ class ServerState:
     spills: int = 0
     version: int | None = None
     """Weight version this server is known to serve (None: unknown)."""
+    cap: int | None = None
+    """Concurrent requests this server takes (None: the router's `max_inflight`); the ServerManager sizes it
+    from what the server reports when manager.max_inflight_per_server is not set."""
     stale: bool = False
     """Answering, but serving another version than the expected one: kept out until synced."""
 
@@ -67,7 +71,15 @@ class Router:
 
     def _open(self, i: int) -> bool:
         s = self.servers[i]
-        return s.healthy and s.inflight < self.max_inflight
+        return s.healthy and s.inflight < (s.cap or self.max_inflight)
+
+    def capacity(self, idx: int) -> int:
+        """Concurrent requests server `idx` takes."""
+        return self.servers[idx].cap or self.max_inflight
+
+    def set_capacity(self, idx: int, cap: int) -> None:
+        """Server `idx` takes `cap` concurrent requests from now on (at least 1)."""
+        self.servers[idx].cap = max(1, int(cap))
 
     def availability(self) -> Availability:
         if not any(s.healthy for s in self.servers):

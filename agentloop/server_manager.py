@@ -15,12 +15,22 @@ Map:
                                leaves --server-url servers paused)
     finish_update              after an update, before resume: the flush the interrupt mode needs
                                (agentloop.interrupt), with a fallback where a server refuses it
+    size_from_servers          each server's cap on concurrent requests from its reported max_running_requests
+                               (when manager.max_inflight_per_server is not set), asked when all are full
     gauges                     `server/...` numbers for progress lines and metrics
     on_close                   what lives as long as the manager and serves through it (the agent gateway)
     add_follower / follow      managers in other processes (Ray rollout workers) that generate on the same servers
                                while this one makes the admin calls: each pause, resume and interrupt is told to
                                them first (versions, pause state, interrupt count), so their calls cut short by a
                                pause continue, and are stamped, exactly as this manager's own
+
+Hot path (per request, on the event loop): the prompt's ids (a TrajectoryBuilder's array, or a list) are
+serialised with orjson into one POST sent over pooled keep-alive HTTP/1.1 connections (agentloop.util.http1:
+a fraction of aiohttp's CPU per request; https URLs and every admin call go through aiohttp); the answer is
+parsed with orjson and its ids and logprobs validated once, by TokenOutput's compiled validation (the slow
+per-token diagnosis runs only when that fails). When the answer arrives, its parsing and the caller's next step
+wait for room in the event loop's current iteration (agentloop.util.pacing), so a burst of answers never
+blocks the loop.
 
 Retry policy: transport errors, HTTP 5xx and timeouts are retried on another server (the
 one that failed is avoided) until `max_attempts` or `retry_budget_s` runs out; 4xx and
@@ -55,11 +65,14 @@ import json
 import math
 import time
 import uuid
+from array import array
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
+from pydantic import ValidationError
 
 from agentloop.config import ManagerConfig, SamplingParams
 from agentloop.errors import (
@@ -73,8 +86,15 @@ from agentloop.errors import (
 from agentloop.interrupt import InterruptPolicy
 from agentloop.records import TokenOutput
 from agentloop.routing import Availability, Router
+from agentloop.util.http1 import Disconnected, Http1Pool, HttpError, HttpTimeout
+from agentloop.util.pacing import step_gate
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_RESIZE_AFTER_S = 30.0
+DEFAULT_MAX_INFLIGHT = 256
+"""The cap of a server that does not report its capacity, while manager.max_inflight_per_server is null."""
+"""A server that did not report its capacity is asked again no sooner than this."""
 
 ResyncHook = Callable[[str], Awaitable[None]]
 """Loads the current weights into the server at this url (called before re-admitting a stale server)."""
@@ -118,36 +138,67 @@ def parse_generate_response(body: Any, server: str, *, stamp: int | None = None,
     if entries is None:
         raise FatalRequestError("response has no output_token_logprobs (was return_logprob sent?)", server=server)
     try:
-        ids = [int(e[1]) for e in entries]
-        raw = [e[0] for e in entries]
-    except (TypeError, IndexError, ValueError) as e:
+        ids = [e[1] for e in entries]
+        lps = [e[0] for e in entries]
+    except (TypeError, IndexError, KeyError) as e:
         raise FatalRequestError(f"malformed output_token_logprobs: {e}", server=server) from None
-    missing = [i for i, x in enumerate(raw) if x is None]
-    if missing:
-        # A logprob of 0.0 would claim probability 1 and skew every ratio built on it.
-        raise FatalRequestError(f"the server returned no logprob for {len(missing)} sampled token(s) "
-                                f"(first at position {missing[0]})", server=server)
-    try:
-        lps = [float(x) for x in raw]
-    except (TypeError, ValueError) as e:
-        raise FatalRequestError(f"malformed logprob in output_token_logprobs: {e}", server=server) from None
-    out_ids = body.get("output_ids")
-    if out_ids is not None and list(out_ids) != ids:
-        raise FatalRequestError("output_ids and output_token_logprobs disagree", server=server)
     fr = meta.get("finish_reason")
     fr_type = fr.get("type") if isinstance(fr, dict) else fr
     finish = _FINISH.get(str(fr_type), "abort" if fr_type is not None else "length")
     wv = meta.get("weight_version")
-    return TokenOutput(
-        token_ids=ids,
-        logprobs=lps,
-        finish_reason=finish,
-        weight_version=None if wv is None else str(wv),
-        token_versions=token_versions(len(ids), meta, stamp, single_version=single_version),
-        cached_tokens=int(meta.get("cached_tokens") or 0),
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
-        server=server,
-    )
+    try:  # the ids and logprobs are validated once, by the record's own (compiled) validation
+        out = TokenOutput(
+            token_ids=ids,
+            logprobs=lps,
+            finish_reason=finish,
+            weight_version=None if wv is None else str(wv),
+            token_versions=token_versions(len(ids), meta, stamp, single_version=single_version),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            prompt_tokens=int(meta.get("prompt_tokens") or 0),
+            server=server,
+        )
+    except (ValidationError, TypeError, ValueError):
+        _explain_bad_tokens(ids, lps, server)
+        raise
+    out_ids = body.get("output_ids")
+    if out_ids is not None and out_ids != out.token_ids and list(out_ids) != out.token_ids:
+        raise FatalRequestError("output_ids and output_token_logprobs disagree", server=server)
+    return out
+
+
+def _explain_bad_tokens(ids: list[Any], lps: list[Any], server: str) -> None:
+    """Raise FatalRequestError saying what is wrong with a response's ids or logprobs (the slow path, only
+    when the compiled validation refused them)."""
+    missing = [i for i, x in enumerate(lps) if x is None]
+    if missing:
+        # A logprob of 0.0 would claim probability 1 and skew every ratio built on it.
+        raise FatalRequestError(f"the server returned no logprob for {len(missing)} sampled token(s) "
+                                f"(first at position {missing[0]})", server=server)
+    for x in lps:
+        try:
+            float(x)
+        except (TypeError, ValueError) as e:
+            raise FatalRequestError(f"malformed logprob in output_token_logprobs: {e}", server=server) from None
+    for x in ids:
+        try:
+            int(x)
+        except (TypeError, ValueError) as e:
+            raise FatalRequestError(f"malformed output_token_logprobs: {e}", server=server) from None
+
+
+def reported_capacity(info: Any) -> int | None:
+    """Concurrent requests a server says it runs at once, from its /server_info (SGLang 0.5.23; /get_server_info
+    in older ones): the scheduler's effective max_running_requests summed over its data-parallel ranks
+    (`internal_states`), else the `max_running_requests` it was launched with. None when it says neither."""
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and all(isinstance(x, dict) for x in states):
+        per = [x.get("effective_max_running_requests_per_dp", x.get("max_running_requests")) for x in states]
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in per):
+            return sum(per)
+    v = info.get("max_running_requests")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def token_versions(n: int, meta: dict[str, Any], stamp: int | None, *, single_version: bool) -> list[int | None]:
@@ -192,14 +243,15 @@ class ServerManager:
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = config or ManagerConfig()
         self.vocab_size = vocab_size
-        self.router = Router(self.urls, self.cfg.max_inflight_per_server, self.cfg.eject_after_failures,
-                             sticky=self.cfg.sticky)
+        self.router = Router(self.urls, self.cfg.max_inflight_per_server or DEFAULT_MAX_INFLIGHT,
+                             self.cfg.eject_after_failures, sticky=self.cfg.sticky)
         for i in range(len(self.urls)):
             self.router.servers[i].version = initial_version
         self._resync = resync
         self._cache_salt = cache_salt
         self._on_event = on_event
         self._session: aiohttp.ClientSession | None = None
+        self._http: Http1Pool | None = None
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()  # set whenever capacity or health may have changed
@@ -221,6 +273,9 @@ class ServerManager:
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._followers: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
         self._state_seq = 0  # leader: states handed out; follower: the newest state followed
+        self._sized: set[int] = set()  # servers whose cap came from their own report
+        self._asked: dict[int, float] = {}  # when each server was last asked for its capacity
+        self._sizing = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -235,6 +290,8 @@ class ServerManager:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=self.cfg.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps)
+        if self._http is None:
+            self._http = Http1Pool(keepalive_s=self.cfg.keepalive_s)
         if self._health_task is None:
             # Every server starts inside the grace: the first wave of a run can keep a server from answering
             # for a while (a cold 2-core CPU server took 15 s for its first 128 episodes, and its probes
@@ -324,6 +381,16 @@ class ServerManager:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    @property
+    def http(self) -> Http1Pool:
+        """The pooled HTTP/1.1 connections /generate goes over (agentloop.util.http1; https goes through aiohttp)."""
+        if self._http is None:
+            raise ServerError("ServerManager is not started (use `async with ServerManager(...)`)")
+        return self._http
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -413,15 +480,16 @@ class ServerManager:
 
     # ------------------------------------------------------------------ generate
 
-    async def generate(self, episode_id: str, *, prompt_ids: list[int],
+    async def generate(self, episode_id: str, *, prompt_ids: Sequence[int],
                        sampling_params: SamplingParams | dict[str, Any]) -> TokenOutput:
         """Generate from `prompt_ids` on some server; the episode sticks to one server when it can.
 
         A call interrupted by an abort-mode pause continues after `resume` (see the module doc)."""
-        if not prompt_ids:
+        prompt = prompt_ids  # kept as given (a TrajectoryBuilder's array stays compact while the call waits)
+        if not len(prompt):
             raise FatalRequestError("prompt_ids is empty")
         if self.vocab_size is not None:
-            lo, hi = min(prompt_ids), max(prompt_ids)
+            lo, hi = min(prompt), max(prompt)
             if lo < 0 or hi >= self.vocab_size:
                 raise FatalRequestError(f"prompt_ids hold token id {lo if lo < 0 else hi} outside the "
                                         f"vocabulary [0, {self.vocab_size})")
@@ -436,7 +504,7 @@ class ServerManager:
             left = budget - len(ids)
             call_sp = sp if not ids else {**sp, "max_new_tokens": left}
             epoch = self._interrupts
-            out = await self._generate_once(episode_id, list(prompt_ids) + ids, call_sp)
+            out = await self._generate_once(episode_id, prompt if not ids else [*prompt, *ids], call_sp)
             ids += out.token_ids
             lps += out.logprobs
             vers += out.token_versions
@@ -452,7 +520,7 @@ class ServerManager:
         out.latency_s = time.monotonic() - t0
         return out
 
-    async def _generate_once(self, episode_id: str, prompt_ids: list[int], sp: dict[str, Any]) -> TokenOutput:
+    async def _generate_once(self, episode_id: str, prompt_ids: Sequence[int], sp: dict[str, Any]) -> TokenOutput:
         """One call with retries on other servers (no continuation)."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.retry_budget_s
@@ -466,17 +534,21 @@ class ServerManager:
             attempt += 1
             rid = uuid.uuid4().hex
             stamp = self.router.servers[idx].version
-            payload: dict[str, Any] = {"input_ids": prompt_ids, "sampling_params": sp, "return_logprob": True,
-                                       "logprob_start_len": -1, "rid": rid, "stream": False}
-            if self.cache_salt and stamp is not None:
-                payload["extra_key"] = f"agentloop-v{stamp}"
+            data = self._request_body(prompt_ids, sp, rid, stamp)
             url = self.urls[idx]
             ts = time.monotonic()
             pauses = self._pauses
             try:
                 self._stats["requests"] += 1
-                body = await self._post_generate(url, payload, timeout=max(0.001, min(self.cfg.request_timeout_s,
-                                                                                      deadline - ts)))
+                raw = await self._post_generate(url, data, timeout=max(0.001, min(self.cfg.request_timeout_s,
+                                                                                  deadline - ts)))
+                # The answer's parsing and the caller's next step (decode, tools, the next request) wait for room
+                # in this loop iteration: a burst of answers never runs as one long iteration (util.pacing).
+                await step_gate().enter()
+                try:
+                    body = orjson.loads(raw)
+                except orjson.JSONDecodeError as e:
+                    raise FatalRequestError(f"{url} sent a non-JSON body: {e}", server=url) from None
                 # Abort-mode interrupts abort whatever runs across them, so a call finished without an
                 # interrupt in between, or cut by one, ran under one version: the one the server reports.
                 single = self._pauses == pauses or self._pause_mode == "abort"
@@ -527,6 +599,16 @@ class ServerManager:
             out.attempts = attempt
             return out
 
+    def _request_body(self, prompt_ids: Sequence[int], sp: dict[str, Any], rid: str, stamp: int | None) -> bytes:
+        """The /generate body. The ids list exists only while it is serialised, and the bytes are copied out of
+        orjson's 64 KiB output buffer: a request in flight holds ~2 KB, not 64 KB plus a list of Python ints."""
+        ids = prompt_ids.tolist() if isinstance(prompt_ids, array) else prompt_ids
+        payload: dict[str, Any] = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
+                                   "logprob_start_len": -1, "rid": rid, "stream": False}
+        if self.cache_salt and stamp is not None:
+            payload["extra_key"] = f"agentloop-v{stamp}"
+        return bytes(memoryview(orjson.dumps(payload)))
+
     def end_episode(self, episode_id: str) -> None:
         """Forget the episode's sticky server (the engine calls this when an episode ends)."""
         self.router.end_episode(episode_id)
@@ -539,7 +621,12 @@ class ServerManager:
                 self._down_since = None
                 return idx
             now = time.monotonic()
-            if self.router.availability() is Availability.DOWN:
+            availability = self.router.availability()
+            if availability is Availability.FULL and self.cfg.max_inflight_per_server is None \
+                    and len(self._sized) < len(self.urls) and not self._sizing:
+                self._sizing = True  # one ask at a time; waiters wake when caps change (_changed)
+                self._spawn(self._size_then_clear(), name="size-servers")
+            if availability is Availability.DOWN:
                 if self._down_since is None:
                     self._down_since = now
                 if now - self._down_since >= self.cfg.all_down_grace_s:
@@ -574,22 +661,33 @@ class ServerManager:
             self._say(f"server {self.urls[idx]} ejected after {self.router.servers[idx].consecutive_failures} "
                       f"failures ({self.router.healthy_count}/{len(self.urls)} healthy)")
 
-    async def _post_generate(self, url: str, payload: dict[str, Any], timeout: float) -> Any:
+    async def _post_generate(self, url: str, data: bytes, timeout: float) -> bytes:
+        """POST /generate; the answer's body (HTTP 2xx). Failures classified for the retry policy (module doc)."""
+        if url.startswith("https://"):
+            status, raw = await self._post_aiohttp(url, data, timeout)
+        else:
+            try:
+                status, raw = await self.http.post(url, "/generate", data, timeout=timeout,
+                                                   connect_timeout=self.cfg.connect_timeout_s)
+            except HttpTimeout:
+                raise _Timeout(f"{url} did not answer within {timeout:.1f}s", server=url) from None
+            except Disconnected as e:
+                raise _Dropped(f"{url} closed the connection without answering: {e}", server=url) from None
+            except HttpError as e:  # could not connect, or not HTTP: the server is not serving
+                raise RetryableError(f"{url}: {type(e).__name__}: {e}", server=url) from None
+        if status >= 500:
+            raise RetryableError(f"{url} answered HTTP {status}: {raw[:300].decode('utf-8', 'replace')}",
+                                 server=url, status=status)
+        if status >= 400:
+            raise FatalRequestError(f"{url} rejected the request (HTTP {status}): "
+                                    f"{raw[:500].decode('utf-8', 'replace')}", server=url, status=status)
+        return raw
+
+    async def _post_aiohttp(self, url: str, data: bytes, timeout: float) -> tuple[int, bytes]:
         to = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s))
         try:
-            async with self.session.post(url + "/generate", json=payload, timeout=to) as resp:
-                if resp.status >= 500:
-                    text = await resp.text()
-                    raise RetryableError(f"{url} answered HTTP {resp.status}: {text[:300]}", server=url,
-                                         status=resp.status)
-                if resp.status >= 400:
-                    text = await resp.text()
-                    raise FatalRequestError(f"{url} rejected the request (HTTP {resp.status}): {text[:500]}",
-                                            server=url, status=resp.status)
-                try:
-                    return await resp.json(content_type=None)
-                except (json.JSONDecodeError, aiohttp.ContentTypeError, UnicodeDecodeError) as e:
-                    raise FatalRequestError(f"{url} sent a non-JSON body: {e}", server=url) from None
+            async with self.session.post(url + "/generate", data=data, headers=_JSON_HEADERS, timeout=to) as resp:
+                return resp.status, await resp.read()
         except asyncio.TimeoutError:
             raise _Timeout(f"{url} did not answer within {timeout:.1f}s", server=url) from None
         except aiohttp.ServerDisconnectedError as e:
@@ -716,6 +814,47 @@ class ServerManager:
                 raise ServerError("server(s) not healthy within %.0fs: %s"
                                   % (timeout, ", ".join(self.urls[i] for i in sorted(pending))))
             await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ capacity
+
+    async def size_from_servers(self) -> None:
+        """Size each server's cap on concurrent requests from the capacity it reports (`reported_capacity`:
+        its scheduler's max_running_requests), unless manager.max_inflight_per_server was set (then that
+        number holds for every server). A fixed default of 256 split a 512-episode GPU rollout into two
+        waves while the server's KV cache sat at 8%.
+
+        Asked when it matters: the first time every admitted server is at its cap (`_acquire`), so a run
+        that never fills the default cap never asks. A server that does not say keeps the default; it is
+        asked again after `_RESIZE_AFTER_S` when the servers are full again."""
+        if self.cfg.max_inflight_per_server is not None:
+            return
+        now = time.monotonic()
+        todo = [i for i in range(len(self.urls))
+                if i not in self._sized and now - self._asked.get(i, float("-inf")) >= _RESIZE_AFTER_S]
+        for i in todo:
+            self._asked[i] = now
+        caps = await asyncio.gather(*(self._server_capacity(i) for i in todo))
+        for i, cap in zip(todo, caps):
+            if cap is not None:
+                self._sized.add(i)
+                self.router.set_capacity(i, cap)
+                self._say(f"server {self.urls[i]}: up to {cap} concurrent requests (its max_running_requests)")
+        if any(c is not None for c in caps):
+            self._changed.set()
+
+    async def _size_then_clear(self) -> None:
+        try:
+            await self.size_from_servers()
+        finally:
+            self._sizing = False
+
+    async def _server_capacity(self, idx: int) -> int | None:
+        for path in ("/server_info", "/get_server_info"):
+            info = await self._get_ok(self.urls[idx], path, self.cfg.health_timeout_s)
+            cap = reported_capacity(info)
+            if cap is not None:
+                return cap
+        return None
 
     # ------------------------------------------------------------------ admin broadcast
 
@@ -968,6 +1107,7 @@ class ServerManager:
             g[f"server/{i}/inflight"] = float(s.inflight)
             g[f"server/{i}/healthy"] = float(s.healthy)
             g[f"server/{i}/requests"] = float(s.requests)
+            g[f"server/{i}/capacity"] = float(self.router.capacity(i))
         return g
 
 

@@ -20,6 +20,8 @@ Note the tool side's prompts are longer (the template lists the tools), so even 
 episode it prefills more than the single-turn side.
 
 Output: a table on stdout, `bench_tools.json` plus one records file per (set, side) in the run dir.
+
+`--remote`: local vs remote tools instead (agentloop.bench.remote_tools).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentloop.bench.forced import FORCED_CALLS, forced_parser  # noqa: F401 - FORCED_CALLS re-exported
 from agentloop.config import Config, SamplingParams
 from agentloop.data import load_samples
 from agentloop.inference.serving import serving
@@ -38,25 +41,8 @@ from agentloop.loops.single_turn import SingleTurnAgentLoop
 from agentloop.models.loading import load_tokenizer_for, resolve_model
 from agentloop.records import AgentLoopOutput, EpisodeRecord, Sample, TokenOutput
 from agentloop.rollout.engine import RolloutEngine
-from agentloop.tools.parsers import ParseResult, ToolCall, register_parser
+from agentloop.tools.parsers import register_parser
 from agentloop.util.rundir import RecordWriter
-
-FORCED_CALLS: dict[str, dict[str, Any]] = {
-    "calculator": {"expression": "37 * 24 + 5"},
-    "python": {"code": "print(sum(i * i for i in range(1000)))"},
-    "search": {"query": "capital of Australia"},
-}
-"""Arguments of the scripted call per tool, for --bench-force-tools."""
-
-
-def forced_parser(tool: str):
-    """A tool-call parser that reads any text as one call of `tool` with FORCED_CALLS[tool]."""
-    arguments = FORCED_CALLS[tool]
-
-    def parse(text: str) -> ParseResult:
-        return ParseResult(calls=[ToolCall(name=tool, arguments=dict(arguments))], content=text)
-
-    return parse
 
 
 class _TimedSingleTurn(SingleTurnAgentLoop):
@@ -163,6 +149,13 @@ def format_report(report: dict[str, Any]) -> str:
 def run_bench_tools(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     from agentloop.bench.rollout import run_bench
 
+    if getattr(args, "remote", False):
+        from agentloop.bench.remote_tools import bench_remote_async, format_remote
+
+        run_dir, report = run_bench(cfg, args, "tools", bench_remote_async)
+        print(format_remote(report))
+        print(f"  report: {run_dir / 'bench_tools.json'}")
+        return report
     run_dir, report = run_bench(cfg, args, "tools", bench_tools_async)
     forced = "; tool calls FORCED (scripted parser, real generation and tools)" if report["forced_tools"] else ""
     print(f"bench tools ({report['prompts_per_set']} prompts x {report['samples']} samples per set, "

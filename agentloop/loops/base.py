@@ -15,14 +15,21 @@ text, so a control token's string in it (say "<|im_end|>") can never become the 
 from __future__ import annotations
 
 import contextvars
+import weakref
 from abc import ABC, abstractmethod
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import orjson
 
 from agentloop.config import Config, SamplingParams, derive_seed
 from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.loops.env_tokens import encode_env_text
 from agentloop.loops.template import TemplateInfo, template_info
 from agentloop.records import AgentLoopOutput, Sample, TokenOutput
+from agentloop.util.pacing import step_gate
 
 if TYPE_CHECKING:
     from agentloop.server_manager import ServerManager
@@ -30,6 +37,22 @@ if TYPE_CHECKING:
 
 _WATCHED: contextvars.ContextVar[list["TrajectoryBuilder"] | None] = contextvars.ContextVar(
     "agentloop_trajectories", default=None)
+
+
+_PROMPT_CACHE_SIZE = 4096
+_PROMPT_CACHES: "weakref.WeakKeyDictionary[Any, OrderedDict[bytes, array]]" = weakref.WeakKeyDictionary()
+
+
+def _prompt_cache(tokenizer: Any) -> "OrderedDict[bytes, array] | None":
+    """Templated prompt ids by (messages, tools) for this tokenizer: a GRPO group's n episodes render and
+    tokenize their prompt once (an LRU of the last `_PROMPT_CACHE_SIZE` prompts; None: not cacheable)."""
+    try:
+        cache = _PROMPT_CACHES.get(tokenizer)
+        if cache is None:
+            cache = _PROMPT_CACHES[tokenizer] = OrderedDict()
+        return cache
+    except TypeError:  # a tokenizer that cannot be weakly referenced
+        return None
 
 
 def watch_trajectories() -> list["TrajectoryBuilder"]:
@@ -42,6 +65,10 @@ def watch_trajectories() -> list["TrajectoryBuilder"]:
     return built
 
 
+_NO_VERSION = -(2 ** 63)
+"""Stands for "version unknown" in a builder's per-token version buffer."""
+
+
 class TrajectoryBuilder:
     """Response tokens in order, each with its mask and logprob, built where tokens are made.
 
@@ -49,15 +76,21 @@ class TrajectoryBuilder:
     sampled each one; environment and template tokens (`add_env`) carry mask 0, logprob 0.0 and no version.
     Tokenize environment text for `add_env` with `AgentLoopBase.encode_env` (plain text: no control
     tokens can come out of it).
+
+    Buffers are compact while the episode runs (prompt and response ids in one `array('i')`, masks in a
+    bytearray, logprobs in an `array('d')`: 21 bytes per token instead of ~84 as lists of Python objects);
+    `context()` is the next call's input without a copy. The list properties (`all_ids`, `prompt_ids`,
+    `response_ids`, ...) are copies, and `build` makes the output's lists once, at the end.
     """
 
-    def __init__(self, prompt_ids: list[int]):
-        self.prompt_ids = list(prompt_ids)
-        self.response_ids: list[int] = []
-        self.response_mask: list[int] = []
-        self.response_logprobs: list[float] = []
+    def __init__(self, prompt_ids: Sequence[int]):
+        self._ids = array("i", prompt_ids)  # prompt + response: the next call's input
+        self._n_prompt = len(self._ids)
+        self._mask = bytearray()
+        self._lps = array("d")
+        self._vers = array("q")
+        self._any_version = False
         self.weight_versions: list[str | None] = []
-        self.token_versions: list[int | None] = []
         self.interrupted_calls = 0
         self.num_turns = 0
         watched = _WATCHED.get()
@@ -65,62 +98,103 @@ class TrajectoryBuilder:
             watched.append(self)
 
     def add_model(self, out: TokenOutput) -> None:
-        self.response_ids.extend(out.token_ids)
-        self.response_mask.extend([1] * len(out.token_ids))
-        self.response_logprobs.extend(float(x) for x in out.logprobs)
+        ids = out.token_ids
+        n = len(ids)
+        self._ids.extend(ids)
+        self._mask.extend(b"\x01" * n)
+        self._lps.extend(out.logprobs)
         self.weight_versions.append(out.weight_version)
-        tv = out.token_versions if len(out.token_versions) == len(out.token_ids) else [None] * len(out.token_ids)
-        self.token_versions.extend(tv)
+        tv = out.token_versions
+        if len(tv) == n and any(v is not None for v in tv):
+            self._any_version = True
+            self._vers.extend(_NO_VERSION if v is None else v for v in tv)
+        else:
+            self._vers.extend(array("q", (_NO_VERSION,)) * n)
         self.interrupted_calls += out.interrupted > 0
         self.num_turns += 1
 
-    def add_env(self, token_ids: list[int]) -> None:
-        self.response_ids.extend(token_ids)
-        self.response_mask.extend([0] * len(token_ids))
-        self.response_logprobs.extend([0.0] * len(token_ids))
-        self.token_versions.extend([None] * len(token_ids))
+    def add_env(self, token_ids: Sequence[int]) -> None:
+        n = len(token_ids)
+        self._ids.extend(token_ids)
+        self._mask.extend(bytes(n))
+        self._lps.extend(array("d", (0.0,)) * n)
+        self._vers.extend(array("q", (_NO_VERSION,)) * n)
+
+    @property
+    def response_len(self) -> int:
+        return len(self._ids) - self._n_prompt
+
+    def __len__(self) -> int:
+        """Prompt plus response tokens so far."""
+        return len(self._ids)
 
     def next_turn(self, per_turn: int | None, max_response_tokens: int, context_length: int) -> tuple[int, str]:
         """How many tokens the next generation may make, and the limit that binds it ("length" |
         "token_budget" | "context"); `per_turn` None: no cap of its own (what is left of the budget and the
         context, verl's rule). (0, limit) when nothing is left: the limit is then the finish reason."""
-        left = max_response_tokens - len(self.response_ids)
-        room = context_length - len(self.all_ids)
+        left = max_response_tokens - self.response_len
+        room = context_length - len(self._ids)
         if left < 1 or room < 1:
             return 0, "token_budget" if left < 1 else "context"
         want = min(left, room) if per_turn is None else min(per_turn, left, room)
         return want, "length" if want == per_turn else ("token_budget" if want == left else "context")
 
-    def env_limit(self, token_ids: list[int], max_response_tokens: int, context_length: int) -> str | None:
+    def env_limit(self, token_ids: Sequence[int], max_response_tokens: int, context_length: int) -> str | None:
         """The finish reason ("token_budget" | "context") if appending `token_ids` would reach a limit, else None."""
-        if len(self.response_ids) + len(token_ids) >= max_response_tokens:
+        if self.response_len + len(token_ids) >= max_response_tokens:
             return "token_budget"
-        if len(self.all_ids) + len(token_ids) >= context_length:
+        if len(self._ids) + len(token_ids) >= context_length:
             return "context"
         return None
 
+    def context(self) -> array:
+        """Prompt plus response so far, the next call's input_ids, without a copy (do not change it)."""
+        return self._ids
+
     @property
     def all_ids(self) -> list[int]:
-        """Prompt plus response so far: the next call's input_ids."""
-        return self.prompt_ids + self.response_ids
+        """Prompt plus response so far (a list copy; `context()` is the same without one)."""
+        return self._ids.tolist()
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._ids[:self._n_prompt].tolist()
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self._ids[self._n_prompt:].tolist()
+
+    @property
+    def response_mask(self) -> list[int]:
+        return list(self._mask)
+
+    @property
+    def response_logprobs(self) -> list[float]:
+        return self._lps.tolist()
+
+    @property
+    def token_versions(self) -> list[int | None]:
+        """Per response token (None: unknown); empty when no token's version is known."""
+        if not self._any_version:
+            return []
+        return [None if v == _NO_VERSION else v for v in self._vers]
 
     @property
     def num_model_tokens(self) -> int:
-        return sum(self.response_mask)
+        return self._mask.count(1)
 
     def build(self, **kwargs: Any) -> AgentLoopOutput:
+        """The episode's output. The token fields are made here from buffers that hold the output's invariants
+        by construction (equal lengths, masks 0/1, mask-0 logprobs 0.0 and versions None), so they are not
+        validated again token by token; the other fields (`kwargs`) are."""
         if self.interrupted_calls:  # calls a weight update cut and the server manager continued
             kwargs["metrics"] = {**kwargs.get("metrics", {}), "interrupted_calls": float(self.interrupted_calls)}
-        return AgentLoopOutput(
-            prompt_ids=self.prompt_ids,
-            response_ids=self.response_ids,
-            response_mask=self.response_mask,
-            response_logprobs=self.response_logprobs,
-            num_turns=self.num_turns,
-            weight_versions=self.weight_versions,
-            token_versions=self.token_versions if any(v is not None for v in self.token_versions) else [],
-            **kwargs,
-        )
+        out = AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[], response_logprobs=[], token_versions=[],
+                              num_turns=self.num_turns, weight_versions=self.weight_versions, **kwargs)
+        out.__dict__.update(prompt_ids=self.prompt_ids, response_ids=self.response_ids,
+                            response_mask=self.response_mask, response_logprobs=self.response_logprobs,
+                            token_versions=self.token_versions)
+        return out
 
 
 class AgentLoopBase(ABC):
@@ -175,8 +249,25 @@ class AgentLoopBase(ABC):
         `data.apply_chat_template` false, the one message's text as is (TinyZero's raw prompts)."""
         if not self.config.data.apply_chat_template:
             return self.raw_prompt_ids(messages, tools)
-        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        cache = _prompt_cache(self.tokenizer)
+        try:
+            # the template and the render method are part of the key: a loop may override render_chat
+            template = hash(getattr(self.tokenizer, "chat_template", None))
+            key = orjson.dumps([messages, tools, add_generation_prompt, template,
+                                f"{type(self).render_chat.__module__}.{type(self).render_chat.__qualname__}"])
+        except TypeError:  # not JSON data (a loop's own message objects): rendered every time
+            key = None
+        ids = cache.get(key) if key is not None and cache is not None else None
+        if ids is None:
+            text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+            ids = array("i", self.tokenizer.encode(text, add_special_tokens=False))
+            if key is not None and cache is not None:
+                cache[key] = ids
+                if len(cache) > _PROMPT_CACHE_SIZE:
+                    cache.popitem(last=False)
+        elif cache is not None:
+            cache.move_to_end(key)
+        return ids.tolist()
 
     def raw_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """The single message's text tokenized without a template (no special tokens added)."""
@@ -191,13 +282,19 @@ class AgentLoopBase(ABC):
     def template_info(self, *, check: bool = True) -> TemplateInfo:
         """The chat template's turn suffix, measured once per template (with `check`, the template is also
         verified append-only for tool turns: ConfigError if not). Multi-turn loops need it to splice turns."""
-        tmpl = getattr(self.tokenizer, "chat_template", None)
-        key = f"{type(self.tokenizer).__name__}:{getattr(self.tokenizer, 'name_or_path', '')}:{hash(str(tmpl))}"
+        key = self.template_key()
 
         def render(messages: list[dict[str, Any]], tools: list[dict] | None, gen: bool) -> str:
             return self.render_chat(messages, tools=tools, add_generation_prompt=gen)
 
         return template_info(render, check=check, cache_key=key)
+
+    def template_key(self) -> str:
+        """Names this loop's chat template (and how it renders) in caches of measurements made on it."""
+        tmpl = getattr(self.tokenizer, "chat_template", None)
+        render = type(self).render_chat
+        return (f"{type(self.tokenizer).__name__}:{getattr(self.tokenizer, 'name_or_path', '')}:{hash(str(tmpl))}:"
+                f"{render.__module__}.{render.__qualname__}")
 
     def encode_env(self, text: str) -> list[int]:
         """Token ids of environment text for `TrajectoryBuilder.add_env`: read as plain text, so a tool
@@ -223,7 +320,7 @@ class AgentLoopBase(ABC):
             return sampling_params
         return sampling_params.model_copy(update={"seed": derive_seed(sampling_params.seed, "turn", turn)})
 
-    async def generate(self, episode_id: str, prompt_ids: list[int], sampling_params: SamplingParams,
+    async def generate(self, episode_id: str, prompt_ids: Sequence[int], sampling_params: SamplingParams,
                        *, max_new_tokens: int | None = None) -> TokenOutput:
         """One server call, with the context-length budget applied."""
         wanted = max_new_tokens if max_new_tokens is not None else sampling_params.max_new_tokens
@@ -231,6 +328,12 @@ class AgentLoopBase(ABC):
         params = sampling_params if budget == sampling_params.max_new_tokens else sampling_params.model_copy(
             update={"max_new_tokens": budget})
         return await self.server_manager.generate(episode_id, prompt_ids=prompt_ids, sampling_params=params)
+
+    async def pace(self) -> None:
+        """Wait, if need be, for room in this event-loop iteration before a step of CPU work (agentloop.util.pacing):
+        thousands of episodes finishing the same await at once then spread over iterations instead of blocking
+        the loop for all of them. ServerManager.generate already does this after every answer."""
+        await step_gate().enter()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -54,6 +54,7 @@ class _Codec:
                 ids.add(i)
         self.ids = frozenset(ids)
         self._plain = _plain_backend(tokenizer, self.tokens)
+        self._full = _full_backend(tokenizer)
 
     def plain(self, text: str) -> list[int]:
         if not text:
@@ -75,7 +76,21 @@ class _Codec:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def full(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        if not text:
+            return []
+        if self._full is not None:
+            return self._full.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """(ids, character offsets) of the template's tokenization of `text`; None without a fast tokenizer."""
+        if self._full is not None:
+            enc = self._full.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        if getattr(self.tokenizer, "is_fast", False):
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["input_ids"]), enc["offset_mapping"]
+        return None
 
 
 def _find_control_tokens(tokenizer: Any) -> frozenset[str]:
@@ -85,6 +100,29 @@ def _find_control_tokens(tokenizer: Any) -> frozenset[str]:
         if content.strip():  # some tokenizers add whitespace runs as tokens: those are text
             out.add(content)
     return frozenset(out)
+
+
+_PROBES = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n893\n</tool_response><|im_end|>\n", " héllo 😀 \t\n\n x",
+           "plain text, numbers 12345 and (brackets)")
+
+
+def _full_backend(tokenizer: Any) -> Any:
+    """A private copy of the fast tokenizer's backend (no truncation or padding, whatever calls on the tokenizer
+    set), used where the tokenizer's own `encode` goes through Python per token: the template text around
+    environment content, tokenized once per turn. Used only when it gives the tokenizer's own ids on probe
+    texts; None otherwise (and for tokenizers without a `tokenizers` backend)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    from tokenizers import Tokenizer
+
+    full = Tokenizer.from_str(backend.to_str())
+    full.no_truncation()
+    full.no_padding()
+    for text in _PROBES:
+        if full.encode(text, add_special_tokens=False).ids != list(tokenizer.encode(text, add_special_tokens=False)):
+            return None
+    return full
 
 
 def _plain_backend(tokenizer: Any, control: frozenset[str]) -> Any:
@@ -147,9 +185,9 @@ def encode_segments(tokenizer: Any, segments: list[Segment]) -> list[int]:
         pos += len(s.text)
     if not spans:
         return codec.full(text)
-    if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    whole = codec.with_offsets(text)
+    if whole is not None:
+        ids, offsets = whole
         if not any(i in codec.ids and any(a < e and s < b for s, e in spans) for i, (a, b) in zip(ids, offsets)):
             return ids
     out: list[int] = []

@@ -13,9 +13,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
     """One assistant turn. The reward is left to the engine (scored by data_source)."""
 
     async def run(self, sample: Sample, sampling_params: SamplingParams) -> AgentLoopOutput:
-        prompt_ids = self.apply_chat_template(sample.messages)
-        traj = TrajectoryBuilder(prompt_ids)
-        out = await self.generate(sample.episode_id, prompt_ids, sampling_params)
+        traj = TrajectoryBuilder(self.apply_chat_template(sample.messages))
+        out = await self.generate(sample.episode_id, traj.context(), sampling_params)
         traj.add_model(out)
         return traj.build(
             finish_reason=out.finish_reason,

@@ -7,11 +7,27 @@ text new messages add, split into template glue and message content.
     turn_text       a model turn's text split into the assistant content and the end token it emitted
     env_segments    the text appended by new (tool/environment) messages as glue and content segments,
                     found by rendering their contents as placeholders (see env_tokens for why)
+    turn_segments   the same, rendering only what the turn adds: the glue around new messages of a given
+                    shape is measured once (fixed_glue) and reused, so a turn costs no render of the history
+
+Fixed glue. The tool loop used to render the whole history three times per turn (the longest step of a
+turn: 15% of a 3-turn episode's CPU, growing with the history). For the templates in use the text around a
+tool message depends on the new messages' roles and names only, not on the history before them. That is
+measured, not assumed: `fixed_glue` renders two different probe histories (with and without a system
+message, one and two earlier turns) followed by the new messages with placeholder contents, and uses the
+glue only when both give the same, and when padded, escaped and control-token-laden probe contents come out
+verbatim. A template that numbers, trims or escapes tool results, or renders them after looking at the
+history, fails one of these and gets the full render every turn (env_segments), as before.
+Simplification: a template whose tool-message glue depends on history the probes do not vary (say, on an
+earlier user message's exact text) is not detected; tools.check_template's append-only probe is the only
+other check.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -147,3 +163,92 @@ def env_segments(render: Callable[[list[dict[str, Any]], list[dict] | None, bool
         raise ConfigError("the chat template changes tool/environment message content as it renders it (e.g. "
                           "trims or escapes it); its tokens cannot be split from the template's")
     return segments
+
+
+_GLUE: "OrderedDict[tuple[Any, ...], tuple[str, ...] | None]" = OrderedDict()
+_GLUE_SIZE = 1024
+_GLUE_KEYS = frozenset({"role", "name", "content"})
+_PROBE_CONTENT = "  probe <b>&amp; \"quoted\" 'x' <|im_end|>\n<tool_call>\n "
+"""Tool output no template should alter: surrounding whitespace, markup, quotes and control-token strings."""
+
+
+def _glue_of(render: Callable[[list[dict[str, Any]], list[dict] | None, bool], str], history: list[dict[str, Any]],
+             marked: list[dict[str, Any]], tools: list[dict] | None, n: int) -> tuple[str, ...] | None:
+    a = render(history, tools, False)
+    text = render(history + marked, tools, True)
+    if not text.startswith(a):
+        return None
+    rest, glue = text[len(a):], []
+    for i in range(n):
+        ph = _PLACEHOLDER.format(i)
+        if rest.count(ph) != 1:
+            return None
+        g, rest = rest.split(ph)
+        glue.append(g)
+    glue.append(rest)
+    return tuple(glue)
+
+
+def fixed_glue(render: Callable[[list[dict[str, Any]], list[dict] | None, bool], str],
+               new_messages: list[dict[str, Any]], tools: list[dict] | None, *,
+               cache_key: str) -> tuple[str, ...] | None:
+    """The template text around `new_messages` (k + 1 strings for k contents) when it does not depend on the
+    history, else None (see the module docstring). Measured once per (template, tools, the messages' roles and
+    names); `cache_key` names the template (and the render function)."""
+    if not all(m.keys() <= _GLUE_KEYS and isinstance(m.get("content"), str) and m["content"] for m in new_messages):
+        return None  # other fields (tool_call_id, list contents, empty ones) may shape the glue: no shortcut
+    try:
+        tools_key = json.dumps(tools, sort_keys=True)
+    except TypeError:
+        return None
+    key = (cache_key, tools_key, tuple((m["role"], m.get("name")) for m in new_messages))
+    if key in _GLUE:
+        _GLUE.move_to_end(key)
+        return _GLUE[key]
+    glue = _measure_glue(render, new_messages, tools)
+    _GLUE[key] = glue
+    if len(_GLUE) > _GLUE_SIZE:
+        _GLUE.popitem(last=False)
+    return glue
+
+
+def _measure_glue(render: Callable[[list[dict[str, Any]], list[dict] | None, bool], str],
+                  new_messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[str, ...] | None:
+    name = (tools or [{}])[0].get("function", {}).get("name", "lookup") if tools else "lookup"
+    call = '<tool_call>\n{"name": "%s", "arguments": {}}\n</tool_call>' % name
+    probes = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+         {"role": "assistant", "content": "thinking " + call}],
+        [{"role": "user", "content": "Another question, longer than the first one."},
+         {"role": "assistant", "content": call}, {"role": "tool", "name": name, "content": "R1"},
+         {"role": "assistant", "content": "more " + call}],
+    ]
+    marked = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(new_messages)]
+    try:
+        glues = {_glue_of(render, h, marked, tools, len(new_messages)) for h in probes}
+        if len(glues) != 1 or None in glues:
+            return None
+        glue = glues.pop()
+        # contents must come out verbatim: a template that trims, escapes or rewrites them has no fixed glue
+        real = [{**m, "content": _PROBE_CONTENT} for m in new_messages]
+        a = render(probes[0], tools, False)
+        text = render(probes[0] + real, tools, True)
+    except Exception:  # noqa: BLE001 - a template the probes break: the full render decides (and reports)
+        return None
+    expect = glue[0] + "".join(_PROBE_CONTENT + g for g in glue[1:])
+    return glue if text == a + expect else None
+
+
+def turn_segments(render: Callable[[list[dict[str, Any]], list[dict] | None, bool], str],
+                  history: list[dict[str, Any]], new_messages: list[dict[str, Any]], tools: list[dict] | None,
+                  *, prefix: str = "", cache_key: str) -> list[Segment]:
+    """`env_segments(render, history, new_messages, tools, prefix=prefix)`, without rendering the history when
+    the template's glue around such messages is fixed (see the module docstring); the same segments either way."""
+    glue = fixed_glue(render, new_messages, tools, cache_key=cache_key)
+    if glue is None:
+        return env_segments(render, history, new_messages, tools, prefix=prefix)
+    segments = [Segment(prefix, False)] if prefix else []
+    segments.append(Segment(glue[0], False))
+    for m, g in zip(new_messages, glue[1:]):
+        segments += [Segment(m["content"], True), Segment(g, False)]
+    return [seg for seg in segments if seg.text]

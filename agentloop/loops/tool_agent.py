@@ -5,7 +5,8 @@ Map:
                                    turns and measure the text it puts after an assistant message
     ToolAgentLoop.run              generate -> parse -> run tools -> append tool tokens -> generate ...
     ToolAgentLoop._run_calls       one turn's calls: validated, concurrent (Semaphore), each under wait_for
-    ToolAgentLoop._env_ids         the tokens between a model turn and the next one (tool content as plain text)
+    ToolAgentLoop._env_ids         the tokens between a model turn and the next one (tool content as plain text);
+                                   the template is rendered only around the new messages (template.turn_segments)
 
 Token exactness. Model tokens are the server's ids, kept as returned (mask 1, server logprobs); text is
 decoded only to parse tool calls. Everything else (the end of the assistant turn the template adds, the
@@ -57,12 +58,13 @@ from agentloop.errors import ConfigError, PromptTooLongError
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.loops.env_tokens import encode_segments
 from agentloop.loops.registry import register_agent_loop
-from agentloop.loops.template import TemplateInfo, env_segments, turn_text
+from agentloop.loops.template import TemplateInfo, turn_segments, turn_text
 from agentloop.records import AgentLoopOutput, Sample
 from agentloop.tools.base import BaseTool, ToolResponse
 from agentloop.tools.config import ToolsConfig
 from agentloop.tools.parsers import ParseResult, ToolCall, get_parser
 from agentloop.tools.registry import get_tool
+from agentloop.tools.remote import remote_tool, service_pool
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,8 @@ class ToolAgentLoop(AgentLoopBase):
                 tool = given
             elif isinstance(given, type) and issubclass(given, BaseTool):
                 tool = given(cfg)
+            elif cfg.server_url:  # run by the tool services (agentloop.tools.remote); catalog fetched in run()
+                tool = remote_tool(cfg, n)
             else:
                 tool = (verl.get(n) or get_tool(n))(cfg)
             tools[tool.name] = tool
@@ -136,14 +140,15 @@ class ToolAgentLoop(AgentLoopBase):
         cfg = self.tools_config
         parser = get_parser(cfg.parser)
         info = self._template_info()
+        if cfg.server_url:
+            await service_pool(cfg).catalog()  # once per process; ToolServiceError when no service answers
         tools, create_kwargs = self._episode_tools(sample)
         schemas = [t.schema for t in tools.values()] or None
         messages: list[dict[str, Any]] = [dict(m) for m in sample.messages]
-        prompt_ids = self.apply_chat_template(messages, tools=schemas)
-        if len(prompt_ids) >= self.context_length:
-            raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
+        traj = TrajectoryBuilder(self.apply_chat_template(messages, tools=schemas))
+        if len(traj) >= self.context_length:
+            raise PromptTooLongError(f"prompt of {len(traj)} tokens leaves no room in the context "
                                      f"of {self.context_length} tokens")
-        traj = TrajectoryBuilder(prompt_ids)
         c = _Counters()
         trace: list[dict[str, Any]] = []
         instances: dict[str, Any] = {}
@@ -160,7 +165,7 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 params = self.turn_params(sampling_params, turn).model_copy(update={"max_new_tokens": want})
                 t0 = time.monotonic()
-                out = await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids,
+                out = await self.server_manager.generate(sample.episode_id, prompt_ids=traj.context(),
                                                          sampling_params=params)
                 c.add("gen_time_s", time.monotonic() - t0)
                 c.add("turns")
@@ -181,6 +186,7 @@ class ToolAgentLoop(AgentLoopBase):
                     finish = "max_turns"
                     break
                 tool_msgs = await self._run_calls(turn, parsed, tools, instances, c, trace)
+                await self.pace()
                 env_ids = self._env_ids(messages, tool_msgs, schemas, info, end_text)
                 limit = traj.env_limit(env_ids, cfg.max_response_tokens, self.context_length)
                 if limit is not None:
@@ -214,11 +220,16 @@ class ToolAgentLoop(AgentLoopBase):
     def _env_ids(self, messages: list[dict[str, Any]], tool_msgs: list[dict[str, Any]], schemas: list[dict] | None,
                  info: TemplateInfo, end_text: str) -> list[int]:
         """Tokens from the end of the model's turn to the start of the next one (see the module docstring)."""
-        segments = env_segments(self._render, messages, tool_msgs, schemas, prefix=info.turn_suffix[len(end_text):])
+        segments = turn_segments(self._render, messages, tool_msgs, schemas, prefix=info.turn_suffix[len(end_text):],
+                                 cache_key=self.template_key())
         return encode_segments(self.tokenizer, segments)
 
     def _truncate(self, text: str, c: _Counters) -> str:
         limit = self.tools_config.max_tool_response_tokens
+        if len(text.encode("utf-8")) + 2 <= limit:
+            # A token covers at least one UTF-8 byte (byte-level BPE; byte-fallback sentencepiece adds at most a
+            # leading-space piece): text this short cannot be over the limit, and needs no tokenizing here.
+            return text
         ids = self.encode_env(text)  # counted as it will be tokenized: plain text
         if len(ids) <= limit:
             return text

@@ -46,6 +46,8 @@ from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer, reward_extra_info
 from agentloop.rollout.summary import summarize
 from agentloop.server_manager import ServerManager
+from agentloop.util.pacing import StepGate, step_gate
+from agentloop.util.runtime import freeze_heap
 
 RecordSink = Callable[[EpisodeRecord], Any]
 
@@ -104,11 +106,19 @@ class RolloutEngine:
         self.progress = progress
         self.progress_stream = progress_stream or sys.stderr
         self.lag = LoopLagMonitor()
+        freeze_heap()  # the tokenizer, config and reward workers live as long as the engine (see freeze_heap)
         self._slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
         self._active = 0  # episodes running now
         self._busy_since: float | None = None
         self._busy_s = 0.0
         self._busy_window_t0 = time.monotonic()
+
+    @property
+    def gate(self) -> StepGate:
+        """The running event loop's step gate, set to this engine's slice (`rollout.step_slice_ms`)."""
+        gate = step_gate()
+        gate.slice_s = self.cfg.rollout.step_slice_ms / 1000
+        return gate
 
     def _episode_started(self) -> None:
         if self._active == 0:
@@ -150,18 +160,20 @@ class RolloutEngine:
         n = n_samples or self.cfg.rollout.n_samples
         total = n * len(samples)
         result = RolloutResult()
+        tally = _Tally()
         t0 = time.monotonic()
         self.lag.start()
 
         async def emit(rec: EpisodeRecord) -> None:
             result.records.append(rec)
+            tally.add(rec)
             if on_record is not None:
                 r = on_record(rec)
                 if inspect.isawaitable(r):
                     await r
 
         stream = GroupStream(self, step=step, on_episode=emit, error_record_on_stop=True)
-        progress_task = asyncio.create_task(self._progress(result, total, t0)) if self.progress else None
+        progress_task = asyncio.create_task(self._progress(tally, total, t0)) if self.progress else None
         try:
             for i, s in enumerate(samples):
                 stream.submit(s, n, key=i)
@@ -180,7 +192,7 @@ class RolloutEngine:
         result.summary.update({k: v for k, v in self.sm.gauges().items() if k.count("/") == 1})
         result.stopped = stream.stopped
         if self.progress:
-            self._print_progress(result, total, t0, final=True)
+            self._print_progress(tally, total, t0, final=True)
         return result
 
     async def _run_episode(self, sample: Sample, step: int | None) -> EpisodeRecord:
@@ -233,6 +245,7 @@ class RolloutEngine:
             else:
                 try:
                     reward, info = await self.scorer.score(sample, text, reward_extra_info(sample, out))
+                    await self.gate.enter()  # scores come back in bursts: the records they finish are paced
                     reward, tool_info = combine_tool_reward(reward, out.extra, self.cfg.reward.tools)
                     info = {**info, **tool_info}
                 except Exception as e:  # noqa: BLE001 - the reward rejected the output: the lowest score
@@ -242,13 +255,11 @@ class RolloutEngine:
                     info = {"reward_error": f"{type(e).__name__}: {e}"}
             # summed per step by `agentloop train` (time/reward_s): scoring runs inside the rollout phase
             out.metrics["reward_time_s"] = time.monotonic() - t_score
-        return EpisodeRecord(
-            **out.model_dump(exclude={"reward", "error"}),
-            reward=reward, error=error, reward_info=info,
-            episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
-            data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__, seed=sp.seed or 0,
-            ground_truth=sample.ground_truth, wall_s=time.monotonic() - t0, step=step, segments=out.segments,
-        )
+        return record_of(out, reward=None if reward is None else float(reward), error=error, reward_info=info,
+                         episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
+                         data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__,
+                         seed=sp.seed or 0, ground_truth=sample.ground_truth, wall_s=time.monotonic() - t0,
+                         step=step)
 
     def _timeout_record(self, sample: Sample, built: list[TrajectoryBuilder], step: int | None,
                         wall: float) -> EpisodeRecord:
@@ -279,25 +290,58 @@ class RolloutEngine:
             seed=self.sampling_params(sample).seed or 0, ground_truth=sample.ground_truth, wall_s=wall, step=step,
         )
 
-    async def _progress(self, result: RolloutResult, total: int, t0: float) -> None:
+    async def _progress(self, tally: "_Tally", total: int, t0: float) -> None:
         while True:
             await asyncio.sleep(self.cfg.rollout.progress_interval_s)
-            self._print_progress(result, total, t0)
+            self._print_progress(tally, total, t0)
 
-    def _print_progress(self, result: RolloutResult, total: int, t0: float, final: bool = False) -> None:
-        recs = result.records
-        done = sum(r.segment == 0 for r in recs)
+    def _print_progress(self, tally: "_Tally", total: int, t0: float, final: bool = False) -> None:
         wall = max(1e-9, time.monotonic() - t0)
-        toks = sum(r.num_model_tokens for r in recs)
-        rewards = [r.reward for r in recs if r.reward is not None and r.segment == 0]
-        errs = sum(r.error is not None and r.segment == 0 for r in recs)
         g = self.sm.gauges()
         lag = self.lag.gauges()
-        fields = [f"{toks / wall:,.0f} tok/s", f"errors {errs}", f"inflight {int(g['server/inflight'])}",
-                  f"healthy {int(g['server/healthy'])}/{len(self.sm.urls)}",
-                  f"reward {sum(rewards) / len(rewards) if rewards else float('nan'):.3f}",
-                  f"lag p99 {lag['loop/lag_p99_ms']:.1f}ms"]
-        emit(progress_line(done, total, "episodes", fields, elapsed_s=wall), self.progress_stream)
+        mean = tally.reward_sum / tally.rewards if tally.rewards else float("nan")
+        fields = [f"{tally.tokens / wall:,.0f} tok/s", f"errors {tally.errors}",
+                  f"inflight {int(g['server/inflight'])}",
+                  f"healthy {int(g['server/healthy'])}/{len(self.sm.urls)}", f"reward {mean:.3f}",
+                  f"lag p50/p99/max {lag['loop/lag_p50_ms']:.1f}/{lag['loop/lag_p99_ms']:.1f}/"
+                  f"{lag['loop/lag_max_ms']:.0f}ms"]
+        emit(progress_line(tally.episodes, total, "episodes", fields, elapsed_s=wall), self.progress_stream)
+
+
+class _Tally:
+    """Running totals for the progress line, kept as records arrive (a line never walks every record)."""
+
+    def __init__(self) -> None:
+        self.episodes = self.errors = self.tokens = self.rewards = 0
+        self.reward_sum = 0.0
+
+    def add(self, rec: EpisodeRecord) -> None:
+        self.tokens += rec.num_model_tokens
+        if rec.segment:
+            return
+        self.episodes += 1
+        self.errors += rec.error is not None
+        if rec.reward is not None:
+            self.rewards += 1
+            self.reward_sum += rec.reward
+
+
+def record_of(out: AgentLoopOutput, **identity: Any) -> EpisodeRecord:
+    """The EpisodeRecord of a loop's output plus the engine's fields, sharing the output's token lists.
+
+    The output was validated token by token when it was made (AgentLoopOutput's validators, or a
+    TrajectoryBuilder that holds its invariants by construction); only what a loop may have changed since is
+    checked again here (equal lengths: O(1)), not every token a second time. The engine's own fields are
+    its values, not input."""
+    n = len(out.response_ids)
+    if len(out.response_mask) != n or len(out.response_logprobs) != n or (out.token_versions and
+                                                                          len(out.token_versions) != n):
+        raise ValueError(f"the loop changed its output after building it: response_ids ({n}), response_mask "
+                         f"({len(out.response_mask)}), response_logprobs ({len(out.response_logprobs)}) and "
+                         f"token_versions ({len(out.token_versions)}) differ in length")
+    fields = {k: v for k, v in out.__dict__.items() if k not in ("reward", "error")}
+    fields.update(identity)
+    return EpisodeRecord.model_construct(**fields)
 
 
 def _describe(e: BaseException) -> str:
@@ -448,6 +492,8 @@ class GroupStream:
 
     async def _episode(self, uid: int, sample: Sample) -> list[EpisodeRecord]:
         async with self.engine._slots:
+            # thousands of episodes admitted at once start a few per loop iteration (agentloop.util.pacing)
+            await self.engine.gate.enter()
             if self.stopped:  # nothing can finish any more (servers down, sink failed): never started
                 raise asyncio.CancelledError
             self._started.setdefault(uid, self.engine.sm.expected_version)

@@ -43,6 +43,27 @@ class SearchToolConfig(_Section):
     """BM25 length normalisation."""
 
 
+class ToolServiceConfig(_Section):
+    """`agentloop tools serve` (agentloop.tools.service): where it listens and its limits."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind. Any other than localhost needs the shared secret AGENTLOOP_TOOLS_TOKEN (it runs code)."""
+    port: int = Field(default=8200, ge=0, le=65535)
+    """Port to listen on (0: a free one, printed)."""
+    lease_s: float = Field(default=1800.0, gt=0)
+    """An instance not touched for this long (every call renews it) is released: its episode vanished."""
+    max_concurrent_calls: int = Field(default=512, ge=1)
+    """Tool calls executing at once over all instances; the others wait their turn."""
+    max_call_timeout_s: float = Field(default=300.0, gt=0)
+    """Upper bound on one call (create, execute, reward, release), whatever the client asks."""
+    max_instances: int = Field(default=100_000, ge=1)
+    """Live instances at most; creates beyond it are refused (HTTP 503)."""
+    sandbox_tools: list[str] = Field(default_factory=lambda: ["python"])
+    """Tools whose calls each start a sandbox process: paced by `sandbox_start_rate`."""
+    sandbox_start_rate: float = Field(default=100.0, gt=0)
+    """Sandbox starts per second at most (a token bucket with a burst of one second's worth)."""
+
+
 class ToolsConfig(_Section):
     names: list[str] = Field(default_factory=list)
     """Tools every episode gets; a row's `tools_kwargs` keys add more (and every tool of `verl_tool_config`)."""
@@ -83,6 +104,13 @@ class ToolsConfig(_Section):
     """Check once per tokenizer that the chat template is append-only for tool turns (ConfigError if not)."""
     python: PythonToolConfig = Field(default_factory=PythonToolConfig)
     """The `python` tool's sandbox."""
+    server_url: list[str] = Field(default_factory=list)
+    """Tool services (`agentloop tools serve`) running the episodes' tools instead of this process; several are
+    balanced (least live instances; a failing one is skipped for a while). Empty: tools run here."""
+    remote_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of a remote create, reward or release call (execute has `tool_timeout_s`)."""
+    service: ToolServiceConfig = Field(default_factory=ToolServiceConfig)
+    """`agentloop tools serve`: bind address and limits."""
     search: SearchToolConfig = Field(default_factory=SearchToolConfig)
     """The `search` tool's corpus and ranking."""
 

@@ -583,7 +583,7 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
         count=local, gpus=s.gpus,
         mem_fraction_static=s.mem_fraction_static,  # None (unset or null): planned
         max_total_tokens=s.max_total_tokens if _set(s, "max_total_tokens") else None,
-        max_inflight=m.max_inflight_per_server if _set(m, "max_inflight_per_server") else None)
+        max_inflight=m.max_inflight_per_server)  # None: planned
     work = _workload(cfg, kind, longest_prompt, ctx, mnt)
     plan = planner.make_plan(model, setup, servers, work, gpu_gib, learner_gpus=lc.gpus,
                              learner_on_gpu=learner_on_gpu, weight_sync=sync_given)
@@ -598,7 +598,8 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
              else "SGLang's own sizing (the server has its GPU to itself)", user=s.mem_fraction_static is not None)
         at_once = plan.episodes_per_server * local >= work.episodes
         pick(m, "max_inflight_per_server", plan.max_inflight_per_server,
-             "every episode in flight at once" if at_once else "what the KV pool holds at once")
+             "every episode in flight at once" if at_once else "what the KV pool holds at once",
+             user=m.max_inflight_per_server is not None)
         pick(cfg.rollout, "max_concurrency", min(work.episodes, plan.episodes_per_server * local),
              "every episode the schedule keeps in flight" if at_once else "what the KV pools hold at once")
         if plan.weight_sync is not None:

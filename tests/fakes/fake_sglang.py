@@ -64,6 +64,8 @@ class FakeSGLang:
     completed: list[str] = field(default_factory=list)
     admin: list[tuple[str, Any]] = field(default_factory=list)
     tp_size: int = 1
+    max_running_requests: int | None = None
+    """Reported in /server_info as SGLang 0.5.23 does (top level and internal_states[0]); None: not reported."""
     refuse: set[str] = field(default_factory=set)
     paused: bool = False
     pause_mode: str | None = None
@@ -288,7 +290,11 @@ class FakeSGLang:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         self.admin.append((request.path, None))
-        return web.json_response({"tp_size": self.tp_size, "version": "fake"})
+        info: dict[str, Any] = {"tp_size": self.tp_size, "version": "fake"}
+        if self.max_running_requests is not None:
+            info["max_running_requests"] = self.max_running_requests
+            info["internal_states"] = [{"effective_max_running_requests_per_dp": self.max_running_requests}]
+        return web.json_response(info)
 
     def _flush_refused(self) -> bool:
         """Whether a flush now would be refused (requests held by a pause; see `flush_model`)."""
