@@ -161,6 +161,12 @@ def version_check(records: list[EpisodeRecord], step: int, staleness: Staleness)
     return m
 
 
+def _write_records(path: Path, records: list[EpisodeRecord]) -> None:
+    with RecordWriter(path) as writer:
+        for r in records:
+            writer(r)
+
+
 def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir: Path) -> None:
     """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
     e.g. after the last checkpoint), and log a step < first that the learner finished but that
@@ -305,7 +311,9 @@ class Trainer:
     async def train_step(self, step: int, records: list[EpisodeRecord], t0: float, t_roll: float,
                          extra: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
         """Write the step's rollouts (unless the caller did), train on them, push the weights, log the step."""
-        usable, checks = self.batch_records(step, records)
+        # Step-boundary work (the version check over every token, the rollouts file, the metrics row and the
+        # curves page) runs in a thread, awaited in order: episodes still in flight (async schedule) keep the loop.
+        usable, checks = await asyncio.to_thread(self.batch_records, step, records)
         if not usable:
             first_err = next((r.error or r.finish_reason for r in records), "no records")
             raise TrainingError(f"step {step}: no trainable episode; first error: {first_err}")
@@ -313,9 +321,7 @@ class Trainer:
         submitted = self.learner.submitted(step)  # a resumed run: the batch the learner trained stays
         if write and not (submitted and path.is_file()):
             try:
-                with RecordWriter(path) as writer:
-                    for r in records:
-                        writer(r)
+                await asyncio.to_thread(_write_records, path, records)
             except OSError as e:  # e.g. a full disk: the message names the file
                 raise TrainingError(f"step {step}: {e}") from e
         data_state = extra.pop("_data_state")
@@ -352,14 +358,17 @@ class Trainer:
         if self.cfg.train.val_every and self.val_samples and (step % self.cfg.train.val_every == 0
                                                               or step == self.cfg.train.steps):
             row.update(await self.validate(step))
-        self.log.log(row)
-        self.log.curves()
+        await asyncio.to_thread(self._log_row, row)
         servers = f"servers {int(g['server/healthy'])}/{int(g['server/total'])}"
         keys = [k for k in _PROGRESS_KEYS if k not in _PROGRESS_IF_NONZERO or row.get(k)]
         emit(progress_line(step, self.cfg.train.steps, "steps", fmt_fields(row, _PROGRESS_LABELS, keys)
                            + [f"rollout {t_roll:.0f}s learner {t_learn:.0f}s sync {t_sync:.1f}s", servers]))
         self.final["last_weights"] = "pushed" if upd.pushed else str(upd.weights_dir)
         return row
+
+    def _log_row(self, row: dict[str, Any]) -> None:
+        self.log.log(row)
+        self.log.curves()
 
     async def validate(self, step: int) -> dict[str, float]:
         vdir = self.run_dir / "validation"

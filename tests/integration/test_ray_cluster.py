@@ -139,8 +139,10 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
         assert len(recs) == 4 and all(r.error is None and r.finish_reason != "abort" for r in recs), \
             (step, [(r.error, r.finish_reason) for r in recs])
         assert sorted({r.uid for r in recs}) == sorted(r.uid for r in recs[::2]) and len({r.uid for r in recs}) == 2
-    # the killed server's calls went to the other one (retried), and it was ejected
-    assert rows[-1]["server/retries"] >= 1 and rows[-1]["server/ejections"] >= 1, rows[-1]
+    # the killed server was ejected. Its calls went to the other one: retried when the kill cut a /generate,
+    # or (a kill inside a weight push, while every call is paused) continued there after the push; either way
+    # the records above are whole. The retry path itself: tests/unit/client (fault injection, counted retries).
+    assert rows[-1]["server/ejections"] >= 1, rows[-1]
     assert any(killed_url in ln and "ejected" in ln for ln in out.splitlines()), out[-3000:]
     # no path crossed: the driver holds no weights or checkpoints, the learner's files are on node_b only, the
     # servers loaded copies on node_a
