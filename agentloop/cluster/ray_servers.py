@@ -170,8 +170,11 @@ class RayServerPool(ServerPool):
         copies = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(a.fetch_weights.remote(path, host)
                                                                              .future()), self.stage_timeout_s)
                                         for a in self.actors), return_exceptions=True)
-        # a dead actor's server fails the update and is ejected; its entry only keeps the mapping whole
-        return {u: c if isinstance(c, str) else path for u, c in zip(self._urls, copies)}
+        # A server whose copy did not come (its actor dead or restarting) must fail this update and be ejected:
+        # never hand it the learner's own path, which on a cluster of one host (or a shared mount) it could load
+        # behind the transport's back. It is resynced once its actor serves again.
+        return {u: c if isinstance(c, str) else f"{path}.not-on-this-node({type(c).__name__})"
+                for u, c in zip(self._urls, copies)}
 
     async def stop(self) -> None:
         actors, self.actors = self.actors, []
