@@ -48,7 +48,9 @@ class RayBackend(Backend):
                 # Logical CPUs only schedule actors: a small host still places every server and learner rank.
                 need = (self.cfg.server.num_local + self.cfg.learner.nproc + c.rollout_workers) * c.cpus_per_actor
                 kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-            ray.init(address=c.address, **kw)
+            # "local": a new instance for the run even where another cluster runs on this machine (address None
+            # would join that one, and refuse num_cpus)
+            ray.init(address=c.address or "local", **kw)
             self._connected = True
         self._gpus = float(ray.cluster_resources().get("GPU", 0.0))
 

@@ -151,7 +151,7 @@ class RayCarrier:
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray", reason="the Ray carrier needs `pip install 'agentloop[ray]'`")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="agentloop-tests")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="agentloop-tests")
     yield
     ray.shutdown()
 
