@@ -121,6 +121,15 @@ class ManagerConfig(Section):
     """Timeout of one /generate attempt (connect + full response)."""
     connect_timeout_s: float = Field(default=10.0, gt=0)
     """Timeout to open a connection to a server."""
+    connect_attempt_s: float = Field(default=2.0, gt=0)
+    """One connect attempt's share of connect_timeout_s: an attempt with no handshake by then (a SYN dropped by
+    a server's full accept queue, which the kernel would resend only after 1, 3, 7, 15 ... s) is retried at once
+    on a fresh socket, until connect_timeout_s."""
+    max_connecting_per_server: int | None = Field(default=128, ge=1)
+    """Connections to one server opened but not yet heard from (a new connection's first request asks for
+    `100 Continue`, which the server sends once it accepted it). Held below the server's listen backlog (SGLang:
+    2048, capped by the kernel's somaxconn), so thousands of episodes starting at once never overflow its accept
+    queue (the kernel drops SYNs then, and requests stall for tens of seconds). null: no pacing."""
     retry_budget_s: float = Field(default=900.0, gt=0)
     """Total wall time one generate() call may spend across all of its attempts."""
     max_attempts: int = Field(default=5, ge=1)

@@ -291,7 +291,11 @@ class ServerManager:
             connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=self.cfg.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps)
         if self._http is None:
-            self._http = Http1Pool(keepalive_s=self.cfg.keepalive_s)
+            self._http = Http1Pool(keepalive_s=self.cfg.keepalive_s, max_connecting=self.cfg.max_connecting_per_server,
+                                   connect_attempt_s=self.cfg.connect_attempt_s)
+            for i, url in enumerate(self.urls):
+                if url.startswith("http://"):
+                    self._http.set_limit(url, self.router.capacity(i))  # a connection per request it may carry
         if self._health_task is None:
             # Every server starts inside the grace: the first wave of a run can keep a server from answering
             # for a while (a cold 2-core CPU server took 15 s for its first 128 episodes, and its probes
@@ -838,6 +842,8 @@ class ServerManager:
             if cap is not None:
                 self._sized.add(i)
                 self.router.set_capacity(i, cap)
+                if self._http is not None and self.urls[i].startswith("http://"):
+                    self._http.set_limit(self.urls[i], cap)
                 self._say(f"server {self.urls[i]}: up to {cap} concurrent requests (its max_running_requests)")
         if any(c is not None for c in caps):
             self._changed.set()
@@ -1103,6 +1109,9 @@ class ServerManager:
         }
         for k, v in self._stats.items():
             g[f"server/{k}"] = float(v)
+        if self._http is not None:  # connections: open, opened, connect retries, waits for one (p99, max)
+            for k, v in self._http.stats().items():
+                g[f"server/{k}"] = v
         for i, s in enumerate(self.router.servers):
             g[f"server/{i}/inflight"] = float(s.inflight)
             g[f"server/{i}/healthy"] = float(s.healthy)
