@@ -154,6 +154,11 @@ class ManagerConfig(Section):
     """How long a request waits for any server to come back before the run is declared dead."""
     admin_timeout_s: float = Field(default=120.0, gt=0)
     """Timeout of admin calls (pause, flush, weight updates) to each server."""
+    flush_timeout_s: float = Field(default=60.0, ge=0)
+    """How long a /flush_cache the server refuses is retried (back-off 0.05 s doubling to 1 s). SGLang refuses a
+    flush until its scheduler is fully idle, which it is not for a moment after its last request ends; a
+    refusal never counts as the server's failure. Past this: a bench goes on with the cache kept (said), a
+    weight update ejects the server until resynced (its cache holds the old weights' KV)."""
 
 
 class SamplingConfig(Section):

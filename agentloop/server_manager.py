@@ -1011,23 +1011,48 @@ class ServerManager:
     async def _flush_paused(self, i: int) -> None:
         url = self.urls[i]
         try:
-            await self._admin_post(url, "/flush_cache", None)
-            return
+            if await self._flush_one(i, time.monotonic()):  # one try: retracted requests waiting make it refuse
+                return
+            first: Exception | str = "refused"
         except RequestError as e:
             first = e
-        self._stats["flushes_refused"] += 1
         self._interrupts += 1  # the calls aborted below continue themselves after resume
         await self._tell_followers()  # and so do the followers' calls
         try:
             await self._admin_post(url, "/abort_request", {"rid": "", "abort_all": True})
             await self._drain(lambda: self.router.servers[i].inflight > 0, self.cfg.admin_timeout_s)
-            await self._admin_post(url, "/flush_cache", None)
+            if await self._flush_one(i, time.monotonic() + self.cfg.flush_timeout_s):
+                return
+            e2: Exception | str = f"still refused after {self.cfg.flush_timeout_s:g}s of retries"
         except (RequestError, ServerError) as e:
-            self.router.eject(i)
-            self._stats["ejections"] += 1
-            self._say(f"server {url} kept its prefix cache after the weight update ({first}; then {e}); "
-                      "ejected until resynced")
-            self._changed.set()
+            e2 = e
+        # Its prefix cache holds KV of the old weights: serving it would sample under no version at all.
+        self.router.eject(i)
+        self._stats["ejections"] += 1
+        self._say(f"server {url} kept its prefix cache after the weight update ({first}; then {e2}); "
+                  "ejected until resynced")
+        self._changed.set()
+
+    async def _flush_one(self, i: int, deadline: float) -> bool:
+        """POST /flush_cache to server i; True once it flushed. A refusal (HTTP 400) is retried with back-off
+        until `deadline` (then False), never counted as the server's failure: SGLang flushes only a fully idle
+        scheduler, and one whose requests just ended is not idle for a moment (its last batch or its overlap
+        queue still set: "Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 0").
+        Other failures (the server down, a timeout) raise RequestError."""
+        delay = 0.05
+        while True:
+            try:
+                await self._admin_post(self.urls[i], "/flush_cache", None)
+                return True
+            except RequestError as e:
+                if e.status != 400:
+                    raise
+                self._stats["flushes_refused"] += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(delay, left))  # back-off: the scheduler needs an iteration or two
+            delay = min(1.0, delay * 2)
 
     async def _drain(self, busy: Callable[[], bool], timeout: float) -> None:
         """Wait until `busy()` is false (re-checked whenever a call releases its server); ServerError after
@@ -1048,8 +1073,29 @@ class ServerManager:
     async def abort_all(self) -> None:
         await self._broadcast("/abort_request", {"rid": "", "abort_all": True})
 
-    async def flush_cache(self) -> None:
-        await self._broadcast("/flush_cache", None)
+    async def flush_cache(self) -> list[str]:
+        """Empty every admitted server's prefix cache (benches, before each side). A refusal is retried with back-off
+        for `manager.flush_timeout_s` and never ejects the server (`_flush_one`); returns the urls of the servers that
+        still refused at that deadline (their cache kept; said once each). A server that fails otherwise (down,
+        timing out) is ejected as for any admin call; ServerError only when every server failed that way."""
+        idxs = [i for i, s in enumerate(self.router.servers) if s.healthy]
+        deadline = time.monotonic() + self.cfg.flush_timeout_s
+        results = await asyncio.gather(*(self._flush_one(i, deadline) for i in idxs), return_exceptions=True)
+        failed = [(i, r) for i, r in zip(idxs, results) if isinstance(r, BaseException)]
+        if failed and len(failed) == len(idxs):
+            raise ServerError(f"/flush_cache failed on {len(failed)}/{len(idxs)} server(s): {failed[0][1]}")
+        for i, err in failed:
+            self.router.eject(i)
+            self._stats["ejections"] += 1
+            self._stats["admin_failures"] += 1
+            self._say(f"server {self.urls[i]} failed /flush_cache ({err}); ejected until it answers again "
+                      f"({self.router.healthy_count}/{len(self.urls)} healthy)")
+        if failed:
+            self._changed.set()
+        kept = [self.urls[i] for i, r in zip(idxs, results) if r is False]
+        for url in kept:
+            self._say(f"server {url} refused /flush_cache for {self.cfg.flush_timeout_s:g}s; its prefix cache is kept")
+        return kept
 
     async def update_weights_from_disk(self, model_path: str | Mapping[str, str],
                                        weight_version: int | str | None = None, *, flush_cache: bool = True,

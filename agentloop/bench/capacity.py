@@ -224,7 +224,9 @@ async def _engine_side(spec: dict[str, Any]) -> dict[str, Any]:
     result.update({"episodes": episodes, "errors": sum(errors.values()), "errors_by_type": errors,
                    "model_tokens": tokens, "turns_per_episode": turns / max(1, episodes),
                    "requests": int(g["server/requests"]), "retries": int(g["server/retries"]),
-                   "steps_deferred": engine.gate.budget.deferred})
+                   "ejections": int(g["server/ejections"]), "conn_opened": int(g["server/conn_opened"]),
+                   "connect_retries": int(g["server/connect_retries"]), "conn_wait_p99_s": g["server/conn_wait_p99_s"],
+                   "conn_wait_max_s": g["server/conn_wait_max_s"], "steps_deferred": engine.gate.budget.deferred})
     return result
 
 
@@ -318,6 +320,11 @@ def summarize_kind(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         out[side]["errors"] = sum(row["errors"] for row in rows)
         out[side]["episodes"] = sum(row["episodes"] for row in rows)
         out[side]["cpu_ms_per_episode"] = median(1000 * row["cpu_s"] / max(1, row["episodes"]) for row in rows)
+    eng = [r["engine"] for r in rounds]
+    # the engine's connections: the longest any request waited for one, SYNs retried, servers ejected (all rounds)
+    out["engine"]["conn_wait_max_s"] = max((row.get("conn_wait_max_s", 0.0) for row in eng), default=0.0)
+    out["engine"]["connect_retries"] = sum(row.get("connect_retries", 0) for row in eng)
+    out["engine"]["ejections"] = sum(row.get("ejections", 0) for row in eng)
     out["ratio"] = median(r["engine"]["episodes_per_s"] / r["bare"]["episodes_per_s"] for r in rounds)
     return out
 
@@ -437,8 +444,10 @@ def format_capacity(report: dict[str, Any]) -> str:
             lines.append(f"  {kind:<6} {side:<7} {m['episodes_per_s']:>7.0f} {m['wall_s']:>7.1f} {lag:>20} {own:>20} "
                          f"{m['cpu_ms_per_episode']:>9.2f} {m['runqueue_wait_s']:>10.1f} "
                          f"{m['kb_per_inflight_episode']:>10.1f} {m['errors']:>6}")
+        e = med["engine"]
         lines.append(f"  {kind:<6} engine/bare episodes/s {med['ratio']:.3f} (median of {med['rounds']} rounds; "
-                     "target >= 0.98)")
+                     f"target >= 0.95); engine: longest wait for a connection {e.get('conn_wait_max_s', 0.0):.2f} s, "
+                     f"{e.get('connect_retries', 0)} connects retried, {e.get('ejections', 0)} ejections")
     return "\n".join(lines)
 
 

@@ -88,6 +88,9 @@ class FakeSGLang:
     """Connections accepted so far."""
     flush_model: str = "ideal"
     """When a flush with requests held is refused: ideal | 0.5.23 | 0.5.17 (see the module doc)."""
+    refuse_flushes: int = 0
+    """The next N /flush_cache calls are refused (HTTP 400) whatever runs: SGLang's scheduler right after its last
+    request ended ("Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 0")."""
     crashed: bool = False
     """An update asked for a flush that 0.5.17's scheduler asserts on: the server is dead from then on."""
     """The next N /generate requests find their connection closed as they arrive (unanswered), as when
@@ -315,6 +318,10 @@ class FakeSGLang:
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
+        if path == "/flush_cache" and self.refuse_flushes > 0:
+            self.refuse_flushes -= 1
+            return web.json_response({"success": False, "message": "Cache not flushed because there are pending "
+                                      "requests. #queue-req: 0, #running-req: 0"}, status=400)
         if path == "/flush_cache" and self._flush_refused():
             return web.Response(status=400, text="Cache not flushed: requests are still running or queued")
         if path.startswith("/update_weights_from_") and body.get("flush_cache") and self._flush_refused():
