@@ -211,6 +211,12 @@ class LearnerInbox(abc.ABC):
     def forget_after(self, step: int) -> None:
         """Forget results of steps > step (the learner resumed from a checkpoint of `step`)."""
 
+    def submitted_through(self, step: int) -> int:
+        """The last step k >= `step` whose batches `step`..k were submitted before this learner started (a resumed
+        learner trains them again first, as they are); step - 1 when none was. Default: none (a carrier whose
+        batches do not outlive the learner, Ray's)."""
+        return step - 1
+
     @abc.abstractmethod
     def close(self, status: str = "stopped", **fields: Any) -> None:
         """Stop reporting, with a last status."""

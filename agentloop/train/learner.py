@@ -868,9 +868,8 @@ def serve(
     syncer = None
     code = EXIT_OK
     try:
-        if cfg.weight_sync != "disk" and learner.device_type != "cuda":
-            raise ValueError(f"learner.weight_sync={cfg.weight_sync!r} needs a GPU learner")
         syncer = sync_from_config(cfg)  # the learner half of the weight transport (agentloop.train.weight_transport)
+        syncer.check(learner)
         if box is not None:
             box.start()
             paths.weights_root.mkdir(parents=True, exist_ok=True)
@@ -900,6 +899,15 @@ def serve(
         if box is not None:
             box.forget_after(learner.step)
             _clear_weights_after(paths, learner.step)
+        # Batches submitted before the run stopped (steps next_step..replay_through) are trained again first, while
+        # the orchestrator waits for that (wait_caught_up) with no step loop running: none is pushed, the last one's
+        # weights are written for the servers to load (WeightSync.publish_replayed).
+        replay_through = _bcast(box.submitted_through(next_step) if box is not None else None, dev)
+        if box is not None and replay_through >= next_step:
+            logger.info("steps %d-%d were submitted before the stop: trained again first, their weights pushed to no "
+                        "server (the servers load weights/step-%d once this learner has caught up)", next_step,
+                        replay_through, replay_through)
+        if box is not None:
             box.report(status="ready", next_step=next_step, resumed_step=resumed_step,
                        data_position=data_position, world_size=learner.world, layout=learner.layout().to_json())
             logger.info("ready for step %d (%s)", next_step,
@@ -971,13 +979,17 @@ def serve(
                         logger.info("step %d: checkpoint saved to %s", step, ck_dir)
                 # disk saves weights/step-N (the servers load it); tensor|nccl push after the orchestrator paused
                 # the servers (it answers the request with where to push, in which interrupt mode)
-                pub = syncer.publish(learner, step, paths.weights(step),
-                                     ask=lambda s, method: _ask_push(box, s, method, dev, cfg.weight_sync_timeout_s))
+                if step <= replay_through:
+                    pub = syncer.publish_replayed(learner, step, paths.weights(step), last=step == replay_through)
+                else:
+                    pub = syncer.publish(learner, step, paths.weights(step), ask=lambda s, method: _ask_push(
+                        box, s, method, dev, cfg.weight_sync_timeout_s))
                 metrics.update(pub.metrics)
                 if box is not None:
-                    logger.info("step %d done: %s", step, _step_summary(metrics, time.perf_counter() - t_step,
-                                                                       "pushed to the servers" if pub.pushed
-                                                                       else f"weights in {pub.weights_dir}"))
+                    logger.info("step %d done: %s", step, _step_summary(
+                        metrics, time.perf_counter() - t_step, "pushed to the servers" if pub.pushed
+                        else f"weights in {pub.weights_dir}" if pub.weights_dir is not None
+                        else "replayed, weights not published"))
                     box.done(step, None if pub.weights_dir is None else str(pub.weights_dir), metrics,
                              pushed=pub.pushed)
                     _prune_weights(paths, cfg.keep_weights, protect=_checkpoint_steps(paths, ckpt_step))

@@ -450,6 +450,12 @@ class LearnerMailbox(LearnerInbox):
     def start(self) -> None:
         self.start_heartbeat()
 
+    def submitted_through(self, step: int) -> int:
+        k = step - 1
+        while self.batch_ready(k + 1):
+            k += 1
+        return k
+
     def report(self, **fields: Any) -> None:
         self.update_info(**fields)
 

@@ -533,6 +533,22 @@ class WeightSync:
         metrics["time/sync_s"] = time.perf_counter() - t
         return Published(weights_dir=None, pushed=True, metrics=metrics)
 
+    def check(self, learner: Any) -> None:
+        """Refuse a learner this path cannot serve (ValueError naming why); called once, before any step."""
+        if self.learner_pushes and learner.device_type != "cuda":
+            raise ValueError(f"learner.weight_sync={self.name!r} needs a GPU learner")
+
+    def publish_replayed(self, learner: Any, step: int, weights_dir: Any, *, last: bool) -> Published:
+        """Collective, after `learner` trained `step` again from a batch submitted before the run stopped (a resume):
+        no server waits for these weights. The orchestrator is not running its step loop yet (it waits for the
+        learner to catch up, `wait_caught_up`), so nothing is pushed and no push is asked for; it then loads the
+        last replayed step's HF weights into the servers from disk, so `last` writes them (`weights_dir`)."""
+        if not last:
+            return Published(weights_dir=None, pushed=False, metrics={})
+        t = time.perf_counter()
+        out = learner.save_hf(weights_dir)
+        return Published(weights_dir=out, pushed=False, metrics={"time/save_hf_s": time.perf_counter() - t})
+
     def close(self, urls: Sequence[str] = ()) -> None:
         """Release what the path holds (a process group); best effort."""
 
@@ -632,6 +648,10 @@ class DiskSync(WeightSync):
         t = time.perf_counter()
         out = learner.save_hf(weights_dir)
         return Published(weights_dir=out, pushed=False, metrics={"time/save_hf_s": time.perf_counter() - t})
+
+    def publish_replayed(self, learner: Any, step: int, weights_dir: Any, *, last: bool) -> Published:
+        """Every step's weights, as in training (keep_weights prunes them as it does then)."""
+        return self.publish(learner, step, weights_dir, ask=lambda s, m: PushOrder(step=s, urls=()))
 
     def load(self, weights_dir: str, urls: Sequence[str], version: str | None) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -482,6 +482,86 @@ def test_learner_killed_and_resumed_continues_from_checkpoint(tiny_model, tmp_pa
     print(f"kill+resume: first learner {t1 - t0:.1f}s, total {time.time() - t0:.1f}s")
 
 
+def test_a_push_path_learner_resumed_with_pending_batches_replays_them_without_a_push(tiny_model, tmp_path,
+                                                                                      monkeypatch):
+    """learner.weight_sync tensor|nccl (the GPU defaults), resumed from checkpoint 1 with the batches of steps 2 and
+    3 submitted before the stop: it trains them again without asking for paused servers (the orchestrator waits in
+    wait_caught_up, with no step loop to answer) and writes weights/step-3, which the orchestrator loads into the
+    servers; step 4 is pushed as usual; the weights equal an uninterrupted run's. A CPU learner stands in for the
+    GPU one: the push itself is recorded, not sent."""
+    import threading
+
+    import agentloop.train.weight_sync as ws
+    from agentloop.train.handle import SyncRequest as _SyncRequest
+    from agentloop.train.learner import serve
+    from agentloop.train.weight_sync import PushOrder
+
+    pushes: list[str] = []
+
+    class RecordingPush(ws.WeightSync):
+        name = "tensor"
+
+        def check(self, learner):  # a CPU learner stands in for the GPU one
+            pass
+
+        def push(self, model, *, dtype, device, rank, urls, version, flush_cache=False):
+            pushes.append(version)
+            return {}
+
+    monkeypatch.setattr(ws, "sync_from_config", lambda cfg: RecordingPush(timeout_s=cfg.weight_sync_timeout_s))
+    run = tmp_path / "run"
+    overrides = ["learner.weight_sync=tensor", "learner.checkpoint_every=1", "learner.checkpoint_async=off",
+                 "learner.lr=0.1", "learner.adam_eps=1.0", "learner.poll_s=0.02", "learner.keep_weights=null",
+                 "learner.micro_batch_tokens=48", "learner.seed=5", "learner.weight_sync_timeout_s=5"]
+    algo, cfg = load_sections(None, overrides)
+    batches = [make_records(s, seed=13) for s in range(1, 5)]
+    client = MailboxClient(run, poll_s=0.02)
+
+    def start() -> threading.Thread:
+        th = threading.Thread(target=serve, args=(run, tiny_model, algo, cfg), daemon=True)
+        th.start()
+        return th
+
+    def push(step: int) -> None:  # the orchestrator's part: pause the servers, then let the learner push
+        req = client.wait_update_or_sync(step, 60)
+        assert isinstance(req, _SyncRequest), req
+        client.allow_sync(PushOrder(step=step, urls=("http://server:1",), interrupt="abort"))
+        assert client.wait_update(step, 60).pushed
+
+    th = start()
+    client.wait_ready(120)
+    client.submit_records(1, batches[0], algo, data_position={"row": 10})
+    push(1)
+    client.stop()
+    th.join(60)
+    assert not th.is_alive() and pushes == ["1"]
+    # submitted before the stop, never trained: the run was killed here
+    client.submit_records(2, batches[1], algo, data_position={"row": 20})
+    client.submit_records(3, batches[2], algo, data_position={"row": 30})
+    client.paths.stop.unlink()
+
+    t1 = time.time()
+    th = start()
+    info = client.wait_ready(120, since=t1)
+    assert (info["next_step"], info["resumed_step"]) == (2, 1)
+    info = client.wait_caught_up(60)
+    assert (info["next_step"], info["data_position"]) == (4, {"row": 30})
+    assert pushes == ["1"]  # nothing pushed, nothing asked for
+    assert not client.paths.sync_request(2).exists() and not client.paths.sync_request(3).exists()
+    assert (run / "weights" / "step-000003").is_dir() and not (run / "weights" / "step-000002").exists()
+    client.submit_records(4, batches[3], algo, data_position={"row": 40})
+    push(4)
+    assert pushes == ["1", "4"]
+    client.stop(final=True)
+    final = client.wait_final(120)
+    th.join(60)
+    assert final["step"] == 4 and (run / "weights" / "step-000004").is_dir()
+    ref = _reference_run(tiny_model, algo, cfg.model_copy(update={"weight_sync": "disk"}), batches, tmp_path,
+                         save_at={3, 4})
+    for s in (3, 4):
+        assert_weights_close(ref[s], run / "weights" / f"step-{s:06d}", atol=1e-6)
+
+
 def _two_ranks_vs_one(tiny_model, tmp_path, device_overrides, *, atol, algo_overrides=("algo.kl_coef=0.05",)):
     run = tmp_path / "run"
     run.mkdir()
