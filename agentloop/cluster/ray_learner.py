@@ -11,9 +11,10 @@
                   results and errors (an actor that died is LearnerDiedError naming it, never a hang)
 
 No shared filesystem: a step's batch goes to rank 0 as bytes (batch_plan.TrainBatch), results come back as
-values, and the weights a server loads are fetched from rank 0 (`read_dir`) by the server pool. What stays on the
-learner's nodes is `cluster.learner_dir`: weights/, checkpoints/ and learner.log; it must be a path every learner
-node reaches (a shared filesystem when ranks span nodes) for checkpoints to be resumable.
+values, and the weights a server loads are fetched from rank 0 (`manifest`, `read_chunk`) by the server pool, once
+per node. What stays on the learner's nodes is `cluster.learner_dir`: weights/, checkpoints/ and learner.log; it
+must be a path every learner node reaches (a shared filesystem when ranks span nodes) for checkpoints to be
+resumable.
 
 Resume: a restarted learner loads its newest checkpoint (step C) from learner_dir; the batches submitted before the
 stop lived in the old actors' memory, so the run goes on at step C + 1 from the data position stored with C (the
@@ -237,10 +238,21 @@ class LearnerRank:
         d = Path(learner_dir) / "weights" / f"step-{step:06d}"
         return str(d) if d.is_dir() else None
 
-    def read_dir(self, path: str) -> dict[str, bytes]:
-        """Every file under `path` (an HF weights directory), for a server on another node."""
+    def manifest(self, path: str) -> list[tuple[str, int]]:
+        """(relative path, size) of every file under `path` (an HF weights directory), for a node's copy of it."""
         root = Path(path)
-        return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+        return [(str(f.relative_to(root)), f.stat().st_size) for f in sorted(root.rglob("*")) if f.is_file()]
+
+    def read_chunk(self, path: str, rel: str, offset: int, length: int) -> bytes:
+        """`length` bytes of one file of `path` from `offset` (a node fetches a directory chunk by chunk: no object
+        the size of a model)."""
+        root = Path(path).resolve()
+        f = (root / rel).resolve()
+        if root not in f.parents:
+            raise ValueError(f"{rel!r} is not a file under {path}")
+        with f.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read(length)
 
     def log_tail(self, n: int = 30) -> str:
         if self.log_path is None:

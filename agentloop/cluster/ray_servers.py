@@ -8,19 +8,24 @@ comes back at its URL and the ServerManager re-admits it once it serves the curr
 `stage`, or at the next push).
 
 Weights without a shared filesystem (`stage`): every server reads an HF directory of the learner's from its own
-node. Each actor fetches the directory's files from their holder (the learner's rank-0 actor,
-`WeightsOnDisk.host`) through Ray's object store into its node's temp dir, once per directory, and keeps the
-newest two (each copy noted in the server's weights.jsonl, beside its log); with `cluster.shared_fs` the path is
+node. One copy per node, shared by that node's servers: the first of them to take the node's lock fetches the
+directory from its holder (the learner's rank-0 actor, `WeightsOnDisk.host`) through Ray's object store, file by
+file in chunks of `CHUNK_BYTES` (a few in flight; never an object the size of the model), into the node's temp
+dir, and marks it complete; the others find it there. A server that dies mid-fetch releases the lock, and the
+next one fetches afresh. The node keeps the newest `KEEP_WEIGHTS` copies (each fetch noted in the node's
+weights.jsonl, each copy a server was given in its own, beside its log); with `cluster.shared_fs` the path is
 used as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import shutil
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,15 @@ NAMESPACE = "agentloop"
 """The Ray namespace of every actor a run makes (named `<run>-server<i>`, `<run>-learner-rank<r>`)."""
 
 KEEP_WEIGHTS = 2
-"""HF directories a server actor keeps on its node (the newest; a resync needs the current one)."""
+"""HF directories a node keeps (the newest; a resync needs the current one)."""
+
+CHUNK_BYTES = 64 * 2**20
+"""The piece of a weight file one object-store transfer carries."""
+
+CHUNKS_IN_FLIGHT = 4
+"""Chunks asked for ahead of the one being written."""
+
+_MARK = ".agentloop-copy.json"
 
 
 def scratch_dir(run: str, what: str) -> Path:
@@ -50,7 +63,9 @@ class ServerActor:
 
     def __init__(self, server_cfg: dict[str, Any], model_path: str, run: str, index: int, port: int):
         cfg = ServerConfig(**server_cfg)
+        self.index = index
         self.dir = scratch_dir(run, f"server{index}")
+        self.node_weights = scratch_dir(run, "weights")  # this node's copies, shared by its servers
         self.node = ray.get_runtime_context().get_node_id()
         self.server = LocalServer(model_path, host=ray.util.get_node_ip_address(), port=port,
                                   device=resolve_device(cfg.device), gpu_id=None,  # Ray set CUDA_VISIBLE_DEVICES
@@ -59,42 +74,82 @@ class ServerActor:
                                   startup_timeout_s=cfg.startup_timeout_s, shutdown_timeout_s=cfg.shutdown_timeout_s)
         self.server.start()
         asyncio.run(self.server.wait_ready())
-        self.weights: dict[str, str] = {}  # learner path -> this node's copy, oldest first
+        self.weights: dict[str, str] = {}  # learner path -> the node's copy this server was given, oldest first
 
     def info(self) -> dict[str, Any]:
         return {"url": self.server.url, "node": self.node, "pid": self.server.pid, "dir": str(self.dir),
                 "log": str(self.server.log_path)}
 
     def fetch_weights(self, path: str, holder: Any) -> str:
-        """This node's copy of the learner's HF directory `path`, fetched from `holder` (an actor with
-        `read_dir`) through the object store once."""
+        """This node's copy of the learner's HF directory `path` (module doc): fetched from `holder` (an actor with
+        `manifest` and `read_chunk`) by the first server of the node to ask, found by the others."""
         if path in self.weights:
             return self.weights[path]
-        files: dict[str, bytes] = ray.get(holder.read_dir.remote(path))
-        dest = self.dir / "weights" / Path(path).name
+        dest = self.node_weights / Path(path).name
+        with (self.node_weights / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when this returns, or when this process dies mid-fetch
+            if _copy_of(dest) != path:
+                self._fetch(path, holder, dest)
+        self.weights[path] = str(dest)
+        with (self.dir / "weights.jsonl").open("a") as ledger:  # the copies this server was given, for the record
+            ledger.write(json.dumps({"from": path, "to": str(dest), "time": time.time()}) + "\n")
+        while len(self.weights) > KEEP_WEIGHTS:
+            self.weights.pop(next(iter(self.weights)))
+        return str(dest)
+
+    def _fetch(self, path: str, holder: Any, dest: Path) -> None:
+        t0 = time.monotonic()
+        manifest: list[tuple[str, int]] = ray.get(holder.manifest.remote(path))
         tmp = dest.with_name(f".{dest.name}.tmp-{time.monotonic_ns()}")
-        for rel, data in files.items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_bytes(data)
+        for rel, size in manifest:
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("wb") as fh:
+                refs: deque[Any] = deque()
+                for offset in range(0, size, CHUNK_BYTES):
+                    refs.append(holder.read_chunk.remote(path, rel, offset, min(CHUNK_BYTES, size - offset)))
+                    if len(refs) > CHUNKS_IN_FLIGHT:
+                        fh.write(ray.get(refs.popleft()))
+                while refs:
+                    fh.write(ray.get(refs.popleft()))
+            if target.stat().st_size != size:
+                raise ServerError(f"the copy of {path}/{rel} has {target.stat().st_size} bytes, not {size}")
+        total = sum(size for _, size in manifest)
+        (tmp / _MARK).write_text(json.dumps({"from": path, "files": len(manifest), "bytes": total}))
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
-        self.weights[path] = str(dest)
-        with (self.dir / "weights.jsonl").open("a") as ledger:  # where each copy came from, for the record
-            ledger.write(json.dumps({"from": path, "to": str(dest), "files": len(files),
-                                     "bytes": sum(len(b) for b in files.values()), "time": time.time()}) + "\n")
-        while len(self.weights) > KEEP_WEIGHTS:
-            old = self.weights.pop(next(iter(self.weights)))
-            if old != str(dest):
+        with (self.node_weights / "weights.jsonl").open("a") as ledger:  # one line per fetch on this node
+            ledger.write(json.dumps({"from": path, "to": str(dest), "files": len(manifest), "bytes": total,
+                                     "server": self.index, "s": round(time.monotonic() - t0, 3),
+                                     "time": time.time()}) + "\n")
+        copies = sorted((d for d in self.node_weights.iterdir() if d.is_dir() and _copy_of(d) is not None),
+                        key=lambda d: (d / _MARK).stat().st_mtime)
+        for old in copies[:-KEEP_WEIGHTS]:
+            if old != dest:
                 shutil.rmtree(old, ignore_errors=True)
-        return str(dest)
 
     def log_tail(self, n: int = 30) -> str:
         return self.server.log_tail(n)
 
     def stop(self) -> None:
-        """Stop the server; the weight copies go (its log stays in this node's temp dir)."""
+        """Stop the server (its log stays in this node's temp dir; the node's weight copies go with the pool)."""
         self.server.stop()
-        shutil.rmtree(self.dir / "weights", ignore_errors=True)
+
+    def drop_weights(self) -> None:
+        """Remove this node's weight copies (the run's servers are stopping)."""
+        with (self.node_weights / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for d in self.node_weights.iterdir():
+                if d.is_dir():
+                    shutil.rmtree(d, ignore_errors=True)
+
+
+def _copy_of(d: Path) -> str | None:
+    """The learner path a complete node copy at `d` was made from, None when there is none."""
+    try:
+        return json.loads((d / _MARK).read_text()).get("from")
+    except (OSError, ValueError):
+        return None
 
 
 def actor_options(cluster: ClusterConfig, gpus: float, *, name: str, resources: dict[str, float],
@@ -183,6 +238,8 @@ class RayServerPool(ServerPool):
         refs = [a.stop.remote() for a in actors]
         grace = self.server_cfg.shutdown_timeout_s + 5
         await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=grace)
+        drops = [a.drop_weights.remote() for a in actors]
+        await asyncio.to_thread(ray.wait, drops, num_returns=len(drops), timeout=30)
         for a in actors:
             ray.kill(a, no_restart=True)
 
@@ -192,4 +249,4 @@ def _cause(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-__all__ = ["KEEP_WEIGHTS", "NAMESPACE", "RayServerPool", "ServerActor", "actor_options", "scratch_dir"]
+__all__ = ["CHUNK_BYTES", "KEEP_WEIGHTS", "NAMESPACE", "RayServerPool", "ServerActor", "actor_options", "scratch_dir"]

@@ -63,7 +63,8 @@ class WeightsOnDisk:
     """Its path on the learner's filesystem."""
     host: Any = None
     """None: the path is readable where the servers run (one host, or a shared filesystem). Otherwise what a
-    server pool fetches the files from (the Ray learner's rank-0 actor: `read_dir.remote(path)`)."""
+    server pool fetches the files from (the Ray learner's rank-0 actor: `manifest` and `read_chunk`, once per
+    node)."""
 
 
 @dataclass

@@ -587,10 +587,12 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
     work = _workload(cfg, kind, longest_prompt, ctx, mnt)
     plan = planner.make_plan(model, setup, servers, work, gpu_gib, learner_gpus=lc.gpus,
                              learner_on_gpu=learner_on_gpu, weight_sync=sync_given)
+    ray = cfg.cluster.backend == "ray"
     if local:
-        if plan.server_gpus != list(range(local)) or _set(s, "gpus"):
+        # with Ray, Ray places the actors on GPUs (cluster.colocate, cluster.*_gpus): no GPU lists of ours
+        if not ray and (plan.server_gpus != list(range(local)) or _set(s, "gpus")):
             pick(s, "gpus", plan.server_gpus, "separate from the learner" if not plan.colocated else "as placed")
-        if learner_on_gpu and (plan.learner_gpus != list(range(lc.nproc)) or _set(lc, "gpus")):
+        if not ray and learner_on_gpu and (plan.learner_gpus != list(range(lc.nproc)) or _set(lc, "gpus")):
             pick(lc, "gpus", plan.learner_gpus, "the first GPUs")
         pick(s, "max_total_tokens", None, "the KV pool from free memory")
         pick(s, "mem_fraction_static", plan.mem_fraction_static,
@@ -602,7 +604,13 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
              user=m.max_inflight_per_server is not None)
         pick(cfg.rollout, "max_concurrency", min(work.episodes, plan.episodes_per_server * local),
              "every episode the schedule keeps in flight" if at_once else "what the KV pools hold at once")
-        if plan.weight_sync is not None:
+        if ray and learner_on_gpu and plan.weight_sync is not None:
+            # Ray: where the learner has GPUs its rank 0 broadcasts to the servers' GPUs (nccl), or hands them CUDA
+            # IPC handles when colocated; never whole weight directories through the object store each step
+            pick(lc, "weight_sync", "tensor" if cfg.cluster.colocate else "nccl",
+                 "Ray, colocated: CUDA IPC" if cfg.cluster.colocate
+                 else "Ray: NCCL broadcast from the learner's GPUs to the servers'")
+        elif plan.weight_sync is not None:
             pick(lc, "weight_sync", plan.weight_sync, "CUDA IPC: colocated" if plan.weight_sync == "tensor"
                  else "broadcast to servers on other GPUs")
     call = mnt if kind == "single" else (cfg.tools.max_tokens_per_turn or max(mnt, cfg.tools.max_response_tokens))

@@ -11,7 +11,7 @@ node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLan
   * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
     command resumes from that checkpoint on the learner's node and finishes;
   * a server actor killed with its restart allowed: Ray restarts it at its URL, and the run re-admits it only once
-    it serves the current weights (a copy of them fetched again to its node);
+    it serves the current weights (reloaded from its node's copy, which was not fetched again);
   * learner ranks that Ray places on two nodes sharing no filesystem are refused before any rank starts.
 """
 
@@ -153,6 +153,9 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     copies = [json.loads(ln) for ln in _lines(served / "server0" / "weights.jsonl")]  # each copy it loaded
     assert [Path(c["to"]).name for c in copies] == ["step-000001", "step-000002", "step-000003"], copies
     assert all(c["from"].startswith(str(learner_dir)) and c["to"].startswith(str(served)) for c in copies)
+    # one copy per node, shared by its two servers: each step's weights crossed from node_b to node_a once
+    fetches = [json.loads(ln) for ln in _lines(served / "weights" / "weights.jsonl")]
+    assert [Path(f["to"]).name for f in fetches] == ["step-000001", "step-000002", "step-000003"], fetches
     assert not (nodes.a / "learner").exists() and not (nodes.b / "agentloop-ray").exists()
     assert not any(str(nodes.b) in p.read_text(errors="replace") for p in _files(served) if p.suffix == ".log")
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -286,9 +289,12 @@ def test_a_server_actor_ray_restarts_is_readmitted_only_once_it_serves_the_curre
     ejected = next(i for i, ln in enumerate(lines) if url in ln and "ejected" in ln)
     readmitted = next(i for i, ln in enumerate(lines) if f"server {url} re-admitted at version 1" in ln)
     assert ejected < readmitted and not any(f"server {url} re-admitted at version 0" in ln for ln in lines)
-    # its node got step 1's weights again for the new process (before its re-admission), then steps 2 and 3
+    # the new process was given step 1's weights again (before its re-admission), then steps 2 and 3; its node
+    # already held step 1's copy, so only steps 2 and 3 crossed again
     copies = [Path(json.loads(ln)["to"]).name for ln in _lines(Path(before["dir"]) / "weights.jsonl")]
     assert copies == ["step-000001", "step-000001", "step-000002", "step-000003"], copies
+    fetches = [Path(json.loads(ln)["to"]).name for ln in _lines(Path(before["dir"]).parent / "weights" / "weights.jsonl")]
+    assert fetches == ["step-000001", "step-000002", "step-000003"], fetches
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0] and rows[-1]["server/readmissions"] >= 1
     assert rows[-1]["server/healthy"] == 2.0

@@ -242,6 +242,18 @@ def test_two_gpus_place_learner_and_server_apart(models, gsm8k):
     assert cfg.server.mem_fraction_static is None and cfg.server.max_total_tokens is None
 
 
+@pytest.mark.parametrize("colocate,want", [(False, "nccl"), (True, "tensor")])
+def test_ray_with_learner_gpus_pushes_weights_gpu_to_gpu(models, gsm8k, colocate, want):
+    """cluster.backend=ray where the learner has GPUs: NCCL broadcast to the servers' GPUs (CUDA IPC when
+    colocated), never disk copies through the object store each step; Ray places the actors, so no GPU lists."""
+    extra = ["cluster.colocate=true"] if colocate else []
+    cfg = _cfg(models["shape"], gsm8k, "cluster.gpu_memory_gib=80", "cluster.num_gpus=2", "cluster.backend=ray",
+               *extra)
+    prepare_train(cfg, dry_run=True)
+    assert cfg.learner.weight_sync == want
+    assert cfg.server.gpus is None and cfg.learner.gpus is None
+
+
 def test_on_cpu_nothing_is_derived(models, gsm8k):
     cfg = _cfg(models["shape"], gsm8k)
     before = cfg.model_dump()
