@@ -1,0 +1,873 @@
+#!/usr/bin/env python3
+"""GPU acceptance: every GPU path the README promises, run through the CLI as the README writes it, each a row
+that PASSes or FAILs with its figure, the card, the commit and the date.
+
+    bash benchmarks/gpu_acceptance.sh one     # the one-GPU paths  (< 10 min on a 2-GPU machine)
+    bash benchmarks/gpu_acceptance.sh two     # the two-GPU paths  (< 10 min)
+
+Part `one` runs one-GPU paths, two streams at once (GPU 0 and GPU 1, each row on one GPU); part `two` runs the
+paths that need two GPUs. Rows:
+
+  part one (GPU 0: the tensor rows, then Ray's cost and the 0.5B learner; GPU 1: the capacity bench, then the 1.5B
+  learner; the GPU tests beside them)
+    gpu-tests            `pytest -m gpu`: every GPU test of the suite (both GPUs visible: the 2-rank test too)
+    resume-tensor        `agentloop train` with learner.weight_sync=tensor (server and learner on GPU 0), SIGKILLed
+                         (the whole process group) once checkpoint 2 exists and step 3's batch was submitted, then
+                         `agentloop train --run-dir RUN`: it resumes, replays the submitted batches, one metrics row
+                         per step, and the final HF weights load in `agentloop rollout --model DIR`
+    server-tensor        the server the interrupt rows share (tiny model, its KV pool capped beside the others)
+    interrupt-tensor-M   train.interrupt=M (abort, retract, in_place), η = 1, 3 steps, tensor: no server ejected or
+                         dead, no version violation
+    capacity-single      `agentloop bench rollout --bench-episodes 10000` against real SGLang (random Qwen2.5-0.5B
+    capacity-tool        shape), single-turn and 3-turn tool: engine/bare >= 0.95, 0 errors, no request waiting
+                         more than 5 s for a connection, the engine's event-loop lag p99 < 20 ms
+    ray-cost-1gpu        the same `agentloop train` on one GPU (colocated, tensor), local then Ray
+                         (cluster.backend=ray cluster.colocate=true): steps/h, Ray costs < 2%
+    learner-1rank-S      `agentloop bench train` (varlen + compile), S = 0.5b and 1.5b shapes, one rank: MFU
+  part two (resume, interrupts and the Ray kill at once, then the learner on two ranks, then Ray's cost)
+    resume-nccl          as resume-tensor with learner.weight_sync=nccl (server GPU 0, learner GPU 1)
+    interrupt-nccl-M     as interrupt-tensor-M with nccl
+    ray-kill-server      Ray, two server actors sharing GPU 0 and the learner on GPU 1 (nccl): one server actor
+                         killed mid-rollout; the run finishes with every group whole (0 episodes lost)
+    ray-cost-2gpu        server GPU 0, learner GPU 1 (nccl), local then Ray: steps/h, Ray costs < 2%
+    plan-memory          the GPU plan's learner peak and KV pool (the local separate run) against the measured ones
+    learner-2rank-S      `agentloop bench train --nproc 2`, 0.5b and 1.5b: MFU per rank, scaling efficiency against
+                         part one's one-rank run (the same machine)
+
+Output (OUT, default ./bench_out): OUT/acceptance_<part>.json (rows), OUT/acceptance_<part>.md (the table), and
+OUT/acceptance_<part>_logs.tgz (every row's logs, metrics and summaries). benchmarks/RESULTS_gpu.md is composed from
+them with `python benchmarks/gpu_acceptance.py --compose OUT/acceptance_one.json OUT/acceptance_two.json`.
+A row that would start past the part's budget (ACC_BUDGET_S, default 500 s) is NOT RUN, said so; the rows are
+written after each one, and at ACC_HARD_S (budget + 45 s) with the logs, so a call cut off still returns them.
+
+Env: ACC_COMMIT (the commit, when the tree has no .git), ACC_SERVER_ARGS (extra SGLang flags, default the offline
+bundle's: triton attention, pytorch sampling, no grammar backend), ACC_ROWS (comma list: only these rows),
+ACC_SMOKE=1 (the harness itself on the CPU: tiny model, CPU SGLang, disk sync, small sizes; GPU-only rows skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLE_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+               "--cuda-graph-backend-prefill", "disabled"]
+"""SGLang flags the offline bundle needs (shared/sglang-gpu: no FA3 kernels, no grammar backend)."""
+
+
+@dataclass
+class Row:
+    name: str
+    what: str
+    status: str = "NOT RUN"
+    figure: str = ""
+    card: str = ""
+    seconds: float = 0.0
+    log: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Server:
+    """One SGLang server process group started by the harness (threads may start them: LocalServer's own start
+    arms a parent-death signal, which is per thread), stopped by killing its group."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], url: str, log: Path):
+        self.argv, self.env, self.url, self.log = argv, env, url, log
+        self.proc: subprocess.Popen | None = None
+        self.ready_after_s = 0.0
+
+    def start(self, timeout: float) -> "Server":
+        import urllib.request
+
+        t0 = time.monotonic()
+        with self.log.open("ab") as fh:
+            fh.write(("$ " + shlex.join(self.argv) + "\n").encode())
+            fh.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                raise Failed(f"the server exited {self.proc.returncode} while starting: "
+                             f"{' / '.join(self.log.read_text(errors='replace').splitlines()[-3:])}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise Failed(f"the server was not healthy within {timeout:.0f} s")
+            time.sleep(1.0)
+        self.ready_after_s = time.monotonic() - t0
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc)
+            except ProcessLookupError:
+                pass
+
+
+class Failed(Exception):
+    """A row's check failed: the message is its figure."""
+
+
+class Acceptance:
+    def __init__(self, part: str, out: Path, budget_s: float, smoke: bool, only: set[str] | None):
+        self.part, self.out, self.smoke, self.only = part, out, smoke, only
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget_s
+        self.work = Path(os.environ.get("ACC_WORK", f"/tmp/acceptance_{part}"))
+        self.logs = self.work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.rows: list[Row] = []
+        self.lock = threading.Lock()
+        self.cards = self._cards()
+        self.commit = os.environ.get("ACC_COMMIT") or _git_commit()
+        self.date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        extra = os.environ.get("ACC_SERVER_ARGS")
+        self.server_args = shlex.split(extra) if extra is not None else ([] if smoke else list(BUNDLE_ARGS))
+        self.device = "cpu" if smoke else "cuda"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _cards(self) -> list[str]:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            return [ln.strip() for ln in out.splitlines() if ln.strip()]
+        except (OSError, subprocess.SubprocessError):
+            return []
+
+    def card(self, gpus: str) -> str:
+        if self.smoke or not self.cards:
+            return "CPU (smoke)" if self.smoke else "?"
+        idx = [int(g) for g in gpus.split(",") if g.strip().isdigit()]
+        names = sorted({self.cards[i].split(",")[0] for i in idx if i < len(self.cards)})
+        return f"{' + '.join(names)} (GPU {gpus} of {len(self.cards)})"
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def env(self, gpus: str | None = None, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        if gpus is not None and not self.smoke:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        env.update(extra)
+        return env
+
+    def cli(self, args: list[str], log: Path, timeout: float, *, gpus: str | None = None,
+            env: dict[str, str] | None = None) -> int:
+        """`agentloop ARGS` (python -m agentloop.cli), its output appended to `log`; its exit code (124 past
+        `timeout`, the whole process group killed)."""
+        cmd = [sys.executable, "-m", "agentloop.cli", *args]
+        with log.open("ab") as fh:
+            fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+            fh.flush()
+            p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env or self.env(gpus), cwd=ROOT,
+                                 start_new_session=True)
+            try:
+                return p.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                _kill_group(p)
+                fh.write(f"\n[acceptance: killed after {timeout:.0f}s]\n".encode())
+                return 124
+
+    def add(self, name: str, what: str, gpus: str) -> Row:
+        """A row filled in by another row's body (one bench call that checks two things)."""
+        r = Row(name, what, card=self.card(gpus), log=str(self.logs / f"{name}.log"))
+        with self.lock:
+            self.rows.append(r)
+        return r
+
+    def row(self, name: str, what: str, need_s: float, gpus: str, fn: Callable[[Row], None]) -> Row:
+        r = self.add(name, what, gpus)
+        if self.only is not None and name not in self.only:
+            r.status, r.figure = "NOT RUN", "not asked for (ACC_ROWS)"
+            return r
+        if self.left() < need_s:
+            r.status, r.figure = "NOT RUN", f"budget: {self.left():.0f} s left, the row needs ~{need_s:.0f} s"
+            print(f"[acceptance] {name}: NOT RUN ({r.figure})", flush=True)
+            return r
+        t = time.monotonic()
+        print(f"[acceptance] {name}: start ({self.left():.0f} s left)", flush=True)
+        try:
+            fn(r)
+            r.status = "PASS"
+        except Failed as e:
+            r.status, r.figure = "FAIL", str(e)
+        except Exception as e:  # noqa: BLE001 - a harness error is that row's failure, with its traceback logged
+            r.status, r.figure = "FAIL", f"harness error: {type(e).__name__}: {e}"
+            with open(r.log, "a") as fh:
+                fh.write(traceback.format_exc())
+        r.seconds = time.monotonic() - t
+        print(f"[acceptance] {name}: {r.status} in {r.seconds:.0f} s: {r.figure}", flush=True)
+        self.write(logs=False)
+        return r
+
+    # ------------------------------------------------------------------ servers
+
+    def server(self, model: Path, gpu: int, log: Path, *, mem: float, tokens: int | None = None,
+               extra: list[str] = ()) -> Server:
+        """A server as agentloop's launcher starts one (its command line and environment), on GPU `gpu`, ready; the
+        caller stops it. `tokens` caps its KV pool: several servers share a GPU only so (SGLang starts only with
+        (1 - mem) of the GPU free, and then takes all of it for the pool unless capped)."""
+        from agentloop.inference.launcher import LocalServer
+
+        spec = LocalServer(model, device=self.device, gpu_id=None if self.smoke else gpu,
+                           max_total_tokens=32768 if self.smoke else tokens,
+                           mem_fraction_static=None if self.smoke else mem,
+                           extra_args=[*self.server_args, *extra] if not self.smoke else [], log_path=log)
+        return Server(spec.command(), spec.environment(), spec.url, log).start(timeout=400)
+
+    def server_overrides(self, *, fast: bool = True) -> list[str]:
+        """Overrides for runs that launch their own servers: the device and the bundle's flags."""
+        if self.smoke:
+            return ["server.device=cpu", "learner.device=cpu"]
+        args = [*self.server_args, *(["--disable-cuda-graph"] if fast else [])]
+        return ["server.device=cuda", "server.extra_args=" + json.dumps(args)]
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, *, logs: bool = True) -> None:
+        """The rows so far (after every row, and at the end or the hard deadline with the logs archive): a call cut
+        off at its limit still returns what finished."""
+        with self.lock:
+            data = {"part": self.part, "commit": self.commit, "date": self.date, "cards": self.cards,
+                    "smoke": self.smoke, "seconds": round(time.monotonic() - self.t0, 1),
+                    "rows": [asdict(r) for r in self.rows]}
+            (self.out / f"acceptance_{self.part}.json").write_text(json.dumps(data, indent=1))
+            (self.work.parent / f"acceptance_{self.part}.json").write_text(json.dumps(data, indent=1))
+            (self.out / f"acceptance_{self.part}.md").write_text(table(data))
+            if not logs:
+                return
+            with tarfile.open(self.out / f"acceptance_{self.part}_logs.tgz", "w:gz") as tar:
+                for f in sorted(self.work.rglob("*")):
+                    try:
+                        if f.is_file() and _keep(f) and f.stat().st_size < 8 * 2**20:
+                            tar.add(f, arcname=str(f.relative_to(self.work)))
+                    except OSError:
+                        pass  # a file a running row just removed
+        print(table(data), flush=True)
+
+
+def _keep(f: Path) -> bool:
+    """Logs, metrics, summaries and configs; not weights, checkpoints, batches or rollouts."""
+    if set(f.parts) & {"checkpoints", "weights", "rollouts", "mailbox", "models"}:
+        return False
+    return f.suffix in (".log", ".json", ".jsonl", ".md", ".yaml", ".txt")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def table(data: dict[str, Any]) -> str:
+    lines = [f"### Part {data['part']}: {data['date']}, commit {data['commit']}, {data['seconds']:.0f} s"
+             + (" (CPU smoke run of the harness)" if data.get("smoke") else ""), "",
+             "| row | status | figure | card | s |", "|---|---|---|---|---:|"]
+    for r in data["rows"]:
+        fig = r["figure"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['name']} | **{r['status']}** | {fig} | {r['card']} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    f = run / "metrics.jsonl"
+    return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()] if f.is_file() else []
+
+
+def summary(run: Path) -> dict[str, Any]:
+    f = run / "train_summary.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def check_steps(run: Path, steps: int) -> list[dict[str, Any]]:
+    rows = metrics(run)
+    got = [int(r["step"]) for r in rows if r.get("step", 0) >= 1]
+    if got != list(range(1, steps + 1)):
+        raise Failed(f"metrics.jsonl steps {got}, not one row per step 1..{steps}")
+    bad = [int(r["step"]) for r in rows if r.get("versions/violations", 0)]
+    if bad:
+        raise Failed(f"token versions outside the staleness window at steps {bad}")
+    return rows
+
+
+def check_servers(rows: list[dict[str, Any]], *, allow_ejections: bool = False) -> str:
+    last = rows[-1]
+    healthy, total = last.get("server/healthy"), last.get("server/total")
+    ej = max(r.get("server/ejections", 0) for r in rows)
+    if healthy != total:
+        raise Failed(f"{healthy}/{total} servers healthy at the end")
+    if ej and not allow_ejections:
+        raise Failed(f"{ej:.0f} server ejection(s)")
+    return f"servers {healthy:.0f}/{total:.0f} healthy, {ej:.0f} ejections"
+
+
+def steps_per_hour(rows: list[dict[str, Any]]) -> float:
+    later = [r["time/step_s"] for r in rows if r.get("step", 0) >= 2 and r.get("time/step_s")]
+    if not later:
+        raise Failed("no step time after step 1")
+    return 3600.0 / statistics.fmean(later)
+
+
+def wait_for(cond: Callable[[], bool], proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise Failed(f"the run ended (exit {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise Failed(f"no {what} within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+class Rows:
+    """Each row's body; sizes from the acceptance's mode (GPU, or the CPU smoke run)."""
+
+    def __init__(self, acc: Acceptance):
+        self.acc = acc
+        self._models: dict[str, Path] = {}
+        self._models_lock = threading.Lock()
+        s = acc.smoke
+        self.tiny_train = ["--loop", "single_turn_agent_loop", "train.val_every=0", "train.tensorboard=false",
+                           "train.prompts_per_step=8" if not s else "train.prompts_per_step=2",
+                           "rollout.n_samples=4" if not s else "rollout.n_samples=2",
+                           "sampling.ignore_eos=true", f"sampling.max_new_tokens={256 if not s else 16}",
+                           "learner.micro_batch_tokens=8192", "learner.compile=off", "manager.retry_budget_s=600",
+                           *([] if not s else ["learner.device=cpu"])]
+
+    def model(self, name: str) -> Path:
+        """The tiny model, or `q05` (the random-weight Qwen2.5-0.5B shape; the tiny model in the CPU smoke run), built
+        once on first use."""
+        name = "tiny" if self.acc.smoke else name
+        with self._models_lock:
+            if name not in self._models:
+                from agentloop.models.modelzoo import ensure_shape_model, ensure_tiny_model
+
+                self._models[name] = ensure_tiny_model() if name == "tiny" else ensure_shape_model(
+                    "qwen2.5-0.5b-shape")
+            return self._models[name]
+
+    # ---- resume after SIGKILL, then the final weights in `agentloop rollout`
+
+    def resume(self, r: Row, sync: str, server_gpu: int, learner_gpu: int) -> None:
+        acc = self.acc
+        run = acc.work / f"resume-{sync}"
+        log = Path(r.log)
+        srv = acc.server(self.model("tiny"), server_gpu, acc.logs / f"resume-{sync}-server.log", mem=0.85,
+                         tokens=131072, extra=["--disable-cuda-graph"])
+        try:
+            steps = 6
+            sync_args = [] if acc.smoke else [f"learner.weight_sync={sync}", f"learner.gpus=[{learner_gpu}]"]
+            args = ["train", "--quiet", "--server-url", srv.url, "--model", str(self.model("tiny")), "--run-dir",
+                    str(run), *self.tiny_train, f"train.steps={steps}", "learner.checkpoint_every=2",
+                    "train.max_staleness=1", *sync_args]
+            cmd = [sys.executable, "-m", "agentloop.cli", *args]
+            with log.open("ab") as fh:
+                fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+                fh.flush()
+                p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=acc.env(), cwd=ROOT,
+                                     start_new_session=True)
+                try:
+                    # killed once checkpoint 2 is in place and step 3's batch was submitted: the resumed learner
+                    # must replay it (the path that hung with tensor/nccl)
+                    wait_for(lambda: (run / "checkpoints" / "step-000002").is_dir()
+                             and (run / "mailbox" / "step-000003" / "batch.ready").is_file(), p, 300,
+                             "checkpoint 2 with step 3's batch submitted")
+                finally:
+                    _kill_group(p)  # SIGKILL to the whole process group: the CLI, the learner, its ranks
+                fh.write(b"\n[acceptance: SIGKILL to the run's process group]\n")
+            submitted = max(int(d.name[5:]) for d in (run / "mailbox").glob("step-*")
+                            if (d / "batch.ready").is_file())
+            t = time.monotonic()
+            rc = acc.cli(["train", "--quiet", "--run-dir", str(run)], log, 400)  # the README's resume command
+            if rc != 0:
+                raise Failed(f"the resumed run exited {rc}")
+            rows = check_steps(run, steps)
+            text = log.read_text(errors="replace")
+            llog = (run / "learner.log").read_text(errors="replace") if (run / "learner.log").is_file() else ""
+            replayed = "trained again first" in llog
+            if submitted >= 3 and not replayed:
+                raise Failed("the resumed learner did not replay the batches submitted before the kill")
+            weights = summary(run).get("last_weights")
+            if not weights or not Path(weights).is_dir():
+                raise Failed(f"no final HF weights ({weights})")
+        finally:
+            srv.stop()
+        resumed = next((ln.split("agentloop train: ", 1)[-1] for ln in text.splitlines() if "resumed at step" in ln),
+                       "")
+        # the final weights in `agentloop rollout --model DIR` (its own server)
+        rlog = acc.logs / f"resume-{sync}-rollout.log"
+        rc = acc.cli(["rollout", "--model", weights, "-n", "1", "data.max_samples=8",
+                      f"runs_dir={acc.work / 'rollout-runs'}", *acc.server_overrides(),
+                      *([] if acc.smoke else [f"server.gpus=[{server_gpu}]", "server.mem_fraction_static=0.85",
+                                              "server.max_total_tokens=131072"])],
+                     rlog, 300)
+        rtext = rlog.read_text(errors="replace")
+        if rc != 0:
+            raise Failed(f"`agentloop rollout --model {weights}` exited {rc}")
+        r.data = {"submitted_at_kill": submitted, "resumed": resumed, "resume_s": round(time.monotonic() - t, 1),
+                  "steps": len(rows), "rollout_tail": rtext.splitlines()[-6:]}
+        r.figure = (f"killed with step {submitted}'s batch submitted; {resumed}; steps 1..{steps} one row each; "
+                    f"{check_servers(rows)}; final weights served by `agentloop rollout` (exit 0)")
+
+    # ---- interrupt modes
+
+    def interrupt(self, r: Row, srv: Any, sync: str, mode: str, learner_gpu: int) -> None:
+        acc = self.acc
+        run = acc.work / f"interrupt-{sync}-{mode}"
+        sync_args = [] if acc.smoke else [f"learner.weight_sync={sync}", f"learner.gpus=[{learner_gpu}]"]
+        rc = acc.cli(["train", "--quiet", "--server-url", srv.url, "--model", str(self.model("tiny")),
+                      "--run-dir", str(run), *self.tiny_train, "train.steps=3", "train.max_staleness=1",
+                      f"train.interrupt={mode}", "learner.checkpoint_every=null", *sync_args], Path(r.log), 300)
+        if rc != 0:
+            raise Failed(f"`agentloop train` exited {rc}")
+        rows = check_steps(run, 3)
+        if not srv.alive():
+            raise Failed("the server died")
+        cont = sum(x.get("async/episodes_continued", 0) for x in rows)
+        r.data = {"steps_per_h": steps_per_hour(rows), "episodes_continued": cont,
+                  "sync_s": [x.get("time/sync_s") for x in rows]}
+        r.figure = (f"3 steps, {r.data['steps_per_h']:.0f} steps/h, {cont:.0f} calls continued across updates, "
+                    f"sync {statistics.fmean(x.get('time/sync_s', 0) for x in rows):.2f} s; {check_servers(rows)}; "
+                    "server alive")
+
+    # ---- 10,000 episodes
+
+    def capacity(self, r_single: Row, r_tool: Row) -> None:
+        """Both kinds in one bench call (one server start); the rows are filled from its report."""
+        acc = self.acc
+        n = 10000 if not acc.smoke else 200
+        out = acc.work / "capacity.json"
+        log = Path(r_single.log)
+        srv = acc.server(self.model("q05"), 1, acc.logs / "capacity-server.log", mem=0.6,
+                         extra=["--skip-tokenizer-init"])
+        try:
+            rc = acc.cli(["bench", "rollout", "--server-url", srv.url, "--model", str(self.model("q05")),
+                          "--bench-requests", "0", "--bench-episodes", str(n), "--bench-rounds", "1",
+                          "--bench-waves", "1", "--bench-kinds", "single,tool", "--bench-side-timeout-s", "240",
+                          "--out", str(out), f"runs_dir={acc.work / 'bench-runs'}"], log, 560)
+        finally:
+            srv.stop()
+        if rc != 0 or not out.is_file():
+            raise Failed(f"`agentloop bench rollout` exited {rc}")
+        report = json.loads(out.read_text())["capacity"]
+        fails = {}
+        for kind, row in (("single", r_single), ("tool", r_tool)):
+            med = report["kinds"][kind]["median"]
+            e, b = med["engine"], med["bare"]
+            row.data = {"ratio": med["ratio"], "engine": e, "bare": b}
+            why = []
+            if med["ratio"] < 0.95:
+                why.append(f"engine/bare {med['ratio']:.3f} < 0.95")
+            if e["errors"] or b["errors"]:
+                why.append(f"errors engine {e['errors']} bare {b['errors']}")
+            if e.get("conn_wait_max_s", 0.0) > 5.0:
+                why.append(f"a request waited {e['conn_wait_max_s']:.1f} s for a connection")
+            if e["lag_p99_ms"] >= 20.0:
+                why.append(f"loop lag p99 {e['lag_p99_ms']:.1f} ms >= 20")
+            row.figure = (f"{e['episodes']} episodes, engine/bare {med['ratio']:.3f} ({e['episodes_per_s']:.0f} vs "
+                          f"{b['episodes_per_s']:.0f} ep/s), errors {e['errors']}/{b['errors']}, longest wait for a "
+                          f"connection {e.get('conn_wait_max_s', 0.0):.2f} s, lag p99 {e['lag_p99_ms']:.1f} ms, "
+                          f"{e.get('ejections', 0)} ejections")
+            if why:
+                fails[kind] = "; ".join(why)
+        r_tool.status = "FAIL" if "tool" in fails else "PASS"
+        if "tool" in fails:
+            r_tool.figure = f"{fails['tool']}: {r_tool.figure}"
+        if "single" in fails:
+            raise Failed(f"{fails['single']}: {r_single.figure}")
+
+    # ---- Ray
+
+    def cost(self, r: Row, placement: str) -> None:
+        """The same run local then through Ray; steps/h of each (steps after the first)."""
+        acc = self.acc
+        model = self.model("q05") if not acc.smoke else self.model("tiny")
+        common = ["train", "--quiet", "--model", str(model), "--loop", "single_turn_agent_loop", "train.val_every=0",
+                  "train.tensorboard=false", f"train.steps={6 if not acc.smoke else 3}",
+                  f"train.prompts_per_step={16 if not acc.smoke else 2}", "rollout.n_samples=8" if not acc.smoke
+                  else "rollout.n_samples=2", f"sampling.max_new_tokens={256 if not acc.smoke else 16}",
+                  "sampling.ignore_eos=true", "learner.micro_batch_tokens=8192", "learner.compile=off",
+                  "learner.checkpoint_every=null", *acc.server_overrides()]
+        if placement == "colocated":
+            gpus = "0"
+            local = ["learner.weight_sync=tensor", "server.gpus=[0]", "learner.gpus=[0]",
+                     "server.mem_fraction_static=0.3"]
+            ray = ["learner.weight_sync=tensor", "cluster.backend=ray", "cluster.colocate=true",
+                   "server.mem_fraction_static=0.3"]
+        else:
+            gpus = "0,1"
+            local = ["learner.weight_sync=nccl", "server.gpus=[0]", "learner.gpus=[1]",
+                     "server.mem_fraction_static=0.5"]
+            ray = ["learner.weight_sync=nccl", "cluster.backend=ray", "server.mem_fraction_static=0.5"]
+        if acc.smoke:
+            local, ray = [], ["cluster.backend=ray"]
+        res = {}
+        for name, extra in (("local", local), ("ray", ray)):
+            run = acc.work / f"cost-{placement}-{name}"
+            rc = acc.cli([*common, "--run-dir", str(run), *extra], Path(r.log), 280, gpus=gpus)
+            if rc != 0:
+                raise Failed(f"the {name} run exited {rc}")
+            res[name] = steps_per_hour(check_steps(run, 6 if not acc.smoke else 3))
+        cost = (res["local"] - res["ray"]) / res["local"]
+        r.data = {"steps_per_h": res, "cost": cost}
+        r.figure = f"local {res['local']:.0f} steps/h, Ray {res['ray']:.0f} steps/h: Ray costs {100 * cost:+.1f}%"
+        if placement == "separate":
+            self._plan_run = acc.work / "cost-separate-local"
+        if cost >= 0.02:
+            raise Failed(r.figure + " (>= 2%)")
+
+    def plan_memory(self, r: Row) -> None:
+        run = getattr(self, "_plan_run", None)
+        plan = summary(run).get("plan") if run else None
+        if not plan:
+            raise Failed("the separate local run made no plan (or did not run)")
+        pred, meas = plan.get("learner_peak_gib"), (plan.get("measured") or {}).get("learner_peak_gib")
+        if not pred or not meas:
+            raise Failed(f"no learner peak to compare (planned {pred}, measured {meas})")
+        err = (pred - meas) / meas
+        kv_plan, kv = plan.get("server_kv_tokens"), (plan.get("measured") or {}).get("server_kv_tokens")
+        r.data = {"planned_gib": pred, "measured_gib": meas, "error": err, "kv_planned": kv_plan, "kv_measured": kv}
+        r.figure = (f"learner peak planned {pred:.2f} GiB, measured {meas:.2f} GiB ({100 * err:+.1f}%); KV pool "
+                    f"planned {kv_plan}, measured {kv}")
+        if abs(err) > 0.10:
+            raise Failed(r.figure + " (off by more than 10%)")
+
+    def kill_server(self, r: Row) -> None:
+        """Ray (a head started here, `ray start --head`, the README's way), two server actors on GPU 0, the learner on
+        GPU 1: one server actor killed while step 2's groups run; every group whole, the run finishes."""
+        acc = self.acc
+        run = acc.work / "ray-kill"
+        log = Path(r.log)
+        port = 6390
+        head = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--num-cpus=16",
+                f"--num-gpus={0 if acc.smoke else 2}", "--include-dashboard=false", "--disable-usage-stats"]
+        with log.open("ab") as fh:
+            fh.write(("$ " + shlex.join(head) + "\n").encode())
+            fh.flush()
+            rc = subprocess.run(head, stdout=fh, stderr=subprocess.STDOUT, env=acc.env(), timeout=120).returncode
+        if rc != 0:
+            raise Failed(f"`ray start --head` exited {rc}")
+        address = f"127.0.0.1:{port}"
+        try:
+            args = ["train", "--quiet", "--model", str(self.model("tiny")), "--run-dir", str(run), *self.tiny_train,
+                    "train.steps=3", "train.prompts_per_step=4" if not acc.smoke else "train.prompts_per_step=2",
+                    "learner.checkpoint_every=null", "cluster.backend=ray", f"cluster.address={address}",
+                    "server.num_local=2", "manager.retry_budget_s=300", *acc.server_overrides()]
+            if not acc.smoke:
+                args += ["cluster.server_gpus=0.5", "server.mem_fraction_static=0.85", "server.max_total_tokens=131072",
+                         "learner.weight_sync=nccl"]
+            cmd = [sys.executable, "-m", "agentloop.cli", *args]
+            with log.open("ab") as fh:
+                fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+                fh.flush()
+                p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=acc.env(), cwd=ROOT,
+                                     start_new_session=True)
+                try:
+                    wait_for(lambda: (run / "rollouts" / "step-000001.jsonl").is_file(), p, 400, "step 1's records")
+                    code = ("import ray, sys\n"
+                            f"ray.init(address={address!r}, namespace='agentloop', log_to_driver=False)\n"
+                            f"v = ray.get_actor('agentloop-{run.name}-server1')\n"
+                            "print(ray.get(v.info.remote(), timeout=60)['url'])\n"
+                            "ray.kill(v)\n")  # for good: the other server carries the run
+                    k = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=acc.env(),
+                                       timeout=120)
+                    fh.write(f"[acceptance: killed server1: {k.stdout} {k.stderr[-2000:]}]\n".encode())
+                    if k.returncode != 0:
+                        raise Failed(f"could not kill the server actor: {k.stderr.strip().splitlines()[-1:]}")
+                    killed = k.stdout.strip().splitlines()[-1]
+                    rc = p.wait(timeout=400)
+                except BaseException:
+                    _kill_group(p)
+                    raise
+            if rc != 0:
+                raise Failed(f"the run exited {rc} after a server actor was killed")
+        finally:
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=acc.env(),
+                           capture_output=True, timeout=120)
+        rows = check_steps(run, 3)
+        from agentloop.records import read_records
+
+        lost = []
+        per_group = 4 if not acc.smoke else 2
+        for step in (1, 2, 3):
+            recs = list(read_records(run / "rollouts" / f"step-{step:06d}.jsonl"))
+            groups = {}
+            for rec in recs:
+                groups.setdefault(rec.uid, []).append(rec)
+            bad = [rec for rec in recs if rec.error is not None or rec.finish_reason == "abort"]
+            if bad or any(len(g) != per_group for g in groups.values()):
+                lost.append(step)
+        out = log.read_text(errors="replace")
+        if lost:
+            raise Failed(f"steps {lost} trained partial groups or error records")
+        if not any(killed in ln and "ejected" in ln for ln in out.splitlines()):
+            raise Failed(f"the killed server {killed} was never ejected")
+        r.data = {"killed": killed, "ejections": rows[-1].get("server/ejections")}
+        r.figure = (f"server actor {killed} killed after step 1; 3 steps, every group whole (0 episodes lost), "
+                    f"{rows[-1].get('server/ejections', 0):.0f} ejection(s)")
+
+    # ---- the learner alone
+
+    def learner(self, r: Row, nproc: int, shape: str, gpus: str) -> None:
+        acc = self.acc
+        shapes = [shape] if not acc.smoke else ["tiny"]
+        res = {}
+        for shape in shapes:
+            out = acc.work / f"learner-{shape}-{nproc}rank.json"
+            args = ["bench", "train", "--model", shape, "--bench-sequences", "64" if not acc.smoke else "8",
+                    "--bench-prompt-tokens", "256" if not acc.smoke else "16",
+                    "--bench-response-tokens", "768" if not acc.smoke else "16", "--bench-warmup", "1",
+                    "--bench-steps", "2", "--nproc", str(nproc), "--out", str(out),
+                    f"runs_dir={acc.work / 'bench-runs'}"]
+            args += (["learner.attention=varlen", "learner.compile=on", "learner.micro_batch_tokens=16384"]
+                     if not acc.smoke else ["learner.device=cpu"])
+            rc = acc.cli(args, Path(r.log), 260, gpus=gpus)
+            if rc != 0 or not out.is_file():
+                raise Failed(f"`agentloop bench train --model {shape} --nproc {nproc}` exited {rc}")
+            rep = json.loads(out.read_text())
+            rep = rep.get("learner", rep)  # `bench train --out` writes {"mode", "learner": the report}
+            res[shape] = {"mfu": rep.get("mfu"), "tokens_per_s": rep.get("tokens_per_s"),
+                          "step_s": rep.get("step_s"), "peak_memory_gib": rep.get("peak_memory_gib")}
+        r.data = res
+        parts = []
+        for shape, x in res.items():
+            mfu = "n/a" if x["mfu"] is None else f"{100 * x['mfu']:.1f}%"
+            parts.append(f"{shape}: MFU {mfu} per rank, {x['tokens_per_s'] or 0:,.0f} tok/s")
+        if nproc == 2:
+            for shape, x in res.items():
+                one = _load_part(acc.out, "one").get(f"learner-1rank-{_short(shape)}", {})
+                base = (one.get(shape) or {}).get("tokens_per_s")
+                if base and x.get("tokens_per_s"):
+                    eff = x["tokens_per_s"] / (2 * base)
+                    res[shape]["scaling_efficiency"] = eff
+                    parts.append(f"{shape} scaling efficiency {100 * eff:.0f}% of 2x one rank")
+                else:
+                    parts.append(f"{shape}: no one-rank run of part one to compare with")
+        r.figure = "; ".join(parts)
+
+
+def _short(shape: str) -> str:
+    return shape.removeprefix("qwen2.5-").removesuffix("-shape")
+
+
+def prebuild(name: str) -> threading.Thread:
+    """Build a shape's random weights in the background (CPU), so the learner bench finds them cached."""
+    def build() -> None:
+        try:
+            from agentloop.models.modelzoo import ensure_shape_model
+
+            ensure_shape_model(name)
+        except Exception as e:  # noqa: BLE001 - the bench builds it itself then, and says why it fails
+            print(f"[acceptance] prebuilding {name} failed: {e}", flush=True)
+
+    t = threading.Thread(target=build, daemon=True)
+    t.start()
+    return t
+
+
+def _load_part(out: Path, part: str) -> dict[str, dict[str, Any]]:
+    """A part's rows (their data) from OUT, or from the copy in the temp dir (a device call's OUT starts empty)."""
+    f = out / f"acceptance_{part}.json"
+    if not f.is_file():
+        f = Path("/tmp") / f"acceptance_{part}.json"
+    if not f.is_file():
+        return {}
+    return {row["name"]: row.get("data", {}) for row in json.loads(f.read_text())["rows"]}
+
+
+def _interrupts(acc: Acceptance, rows: Rows, sync: str, server_gpu: int, learner_gpu: int, gpus: str) -> None:
+    """One server (tiny model) shared by the three interrupt-mode runs of one weight sync path."""
+    srv = None
+    try:
+        def start(r: Row) -> None:
+            nonlocal srv
+            srv = acc.server(rows.model("tiny"), server_gpu, acc.logs / f"interrupt-{sync}-server.log",
+                             mem=0.85, tokens=131072, extra=["--disable-cuda-graph"])
+            r.figure = f"server ready in {srv.ready_after_s:.0f} s"
+
+        acc.row(f"server-{sync}", f"the shared server of the {sync} interrupt rows (GPU {server_gpu})", 120,
+                str(server_gpu), start)
+        for mode in ("abort", "retract", "in_place"):
+            if srv is None:
+                break
+            acc.row(f"interrupt-{sync}-{mode}", f"train.interrupt={mode}, η=1, 3 steps, {sync}", 60, gpus,
+                    lambda r, m=mode: rows.interrupt(r, srv, sync, m, learner_gpu))
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
+def part_one(acc: Acceptance, rows: Rows) -> None:
+    def gpu_tests(r: Row) -> None:
+        log = Path(r.log)
+        # the modules that hold GPU tests (collecting the whole suite would need every test extra installed here)
+        files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+                       if "mark.gpu" in f.read_text(errors="replace"))
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *files, "-q", "-rs", "-p", "no:cacheprovider"]
+        with log.open("ab") as fh:
+            fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+            fh.flush()
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=acc.env("0,1"), cwd=ROOT,
+                                timeout=400).returncode
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1]
+        r.data = {"rc": rc, "summary": tail}
+        if rc != 0 or " passed" not in tail or "failed" in tail:
+            raise Failed(f"pytest -m gpu: {tail} (exit {rc})")
+        r.figure = f"{tail.strip('= ')} ({', '.join(files)})"
+
+    def stream_a() -> None:  # GPU 0: tensor sync (resume beside the interrupt modes), Ray's cost, the learner
+        resume = threading.Thread(target=lambda: acc.row(
+            "resume-tensor", "SIGKILL after checkpoint 2, resume, final weights in rollout (tensor)", 200, "0",
+            lambda r: rows.resume(r, "tensor", 0, 0)))
+        resume.start()
+        _interrupts(acc, rows, "tensor", 0, 0, "0")
+        resume.join()
+        acc.row("ray-cost-1gpu", "local vs Ray, server + learner colocated on one GPU (tensor)", 200, "0",
+                lambda r: rows.cost(r, "colocated"))
+        acc.row("learner-1rank-0.5b", "bench train, varlen + compile, one rank, 0.5B shape", 90, "0",
+                lambda r: rows.learner(r, 1, "qwen2.5-0.5b-shape", "0"))
+
+    def stream_b() -> None:  # GPU 1: the capacity bench, then the learner on one rank
+        def single(r: Row) -> None:
+            tool = acc.add("capacity-tool", "10,000 3-turn tool episodes in flight, engine vs bare (real SGLang)", "1")
+            tool.log = r.log
+            t = time.monotonic()
+            try:
+                rows.capacity(r, tool)
+            finally:
+                tool.seconds = time.monotonic() - t
+
+        acc.row("capacity-single", "10,000 single-turn episodes in flight, engine vs bare (real SGLang)", 300, "1",
+                single)
+        acc.row("learner-1rank-1.5b", "bench train, varlen + compile, one rank, 1.5B shape", 100, "1",
+                lambda r: rows.learner(r, 1, "qwen2.5-1.5b-shape", "1"))
+
+    if not acc.smoke:
+        prebuild("qwen2.5-1.5b-shape")
+    tests = threading.Thread(target=lambda: acc.row("gpu-tests", "pytest -m gpu (every GPU test of the suite)", 120,
+                                                    "0,1", gpu_tests))
+    if not acc.smoke:
+        tests.start()
+    threads = [threading.Thread(target=stream_a), threading.Thread(target=stream_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not acc.smoke:
+        tests.join()
+
+
+def part_two(acc: Acceptance, rows: Rows) -> None:
+    if not acc.smoke:
+        prebuild("qwen2.5-1.5b-shape")
+    streams = [
+        threading.Thread(target=lambda: acc.row(
+            "resume-nccl", "SIGKILL after checkpoint 2, resume, final weights in rollout (nccl, learner GPU 1)", 200,
+            "0,1", lambda r: rows.resume(r, "nccl", 0, 1))),
+        threading.Thread(target=lambda: _interrupts(acc, rows, "nccl", 0, 1, "0,1")),
+        threading.Thread(target=lambda: acc.row(
+            "ray-kill-server", "Ray: a server actor killed mid-rollout, 0 episodes lost (2 servers GPU 0, learner "
+            "GPU 1)", 300, "0,1", rows.kill_server)),
+    ]
+    for t in streams:
+        t.start()
+    for t in streams:
+        t.join()
+    for shape in ("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"):
+        acc.row(f"learner-2rank-{_short(shape)}", f"bench train --nproc 2, varlen + compile, {_short(shape)} shape: "
+                "MFU per rank, scaling against one rank", 90, "0,1", lambda r, sh=shape: rows.learner(r, 2, sh, "0,1"))
+    acc.row("ray-cost-2gpu", "local vs Ray, server GPU 0, learner GPU 1 (nccl)", 200, "0,1",
+            lambda r: rows.cost(r, "separate"))
+    acc.row("plan-memory", "the GPU plan's learner peak against the measured one (separate placement)", 1, "0,1",
+            rows.plan_memory)
+
+
+def compose(files: list[Path]) -> str:
+    parts = [json.loads(f.read_text()) for f in files]
+    head = ["# GPU acceptance", "",
+            "`benchmarks/gpu_acceptance.sh one` and `... two` (benchmarks/gpu_acceptance.py: what each row runs and "
+            "checks). Raw logs: benchmarks/results_gpu/ (each part's JSON and its logs archive).", ""]
+    return "\n".join(head) + "\n".join(table(p) for p in parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", nargs="?", choices=["one", "two"])
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench_out")))
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("ACC_BUDGET_S", "500")))
+    ap.add_argument("--compose", nargs="+", metavar="PART.json", help="print RESULTS_gpu.md from the parts' JSON")
+    a = ap.parse_args(argv)
+    if a.compose:
+        print(compose([Path(f) for f in a.compose]))
+        return 0
+    if a.part is None:
+        ap.error("which part: one | two")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    smoke = os.environ.get("ACC_SMOKE") == "1"
+    only = {x.strip() for x in os.environ["ACC_ROWS"].split(",")} if os.environ.get("ACC_ROWS") else None
+    acc = Acceptance(a.part, out, a.budget_s, smoke, only)
+    print(f"[acceptance] part {a.part}, commit {acc.commit}, cards {acc.cards or 'none'}, budget {a.budget_s:.0f} s",
+          flush=True)
+    # rows still running at the hard deadline: what finished goes out with the logs before the call is cut off
+    hard = threading.Timer(float(os.environ.get("ACC_HARD_S", a.budget_s + 45)), acc.write)
+    hard.daemon = True
+    hard.start()
+    try:
+        rows = Rows(acc)
+        rows.model("tiny")
+        (part_one if a.part == "one" else part_two)(acc, rows)
+    finally:
+        acc.write()
+    hard.cancel()
+    return 0 if all(r.status == "PASS" for r in acc.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

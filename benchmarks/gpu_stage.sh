@@ -1,0 +1,34 @@
+#!/bin/bash
+# Stage what the GPU acceptance needs on a GPU machine without a package index, small enough to travel with the
+# working tree in one call (the device carries 64 MiB in all; the tree is ~11 MB): `.gpu-stage/`, ignored by git,
+#   site.tar.xz   the offline SGLang bundle (../shared/sglang-gpu/wheels, unpacked, xz: 49 -> ~31 MB) and its shim
+#   ray.tar.xz    Ray 2.60 for python 3.12 without what a run never loads (jars, dashboard client, RLlib, Data, Serve,
+#                 Train, Tune, LLM) and with its three native binaries stripped (79 -> ~18 MB), plus msgpack
+# Run once here (a few minutes: xz -9); then every device call carries [".gpu-stage"], and benchmarks/gpu_env.sh
+# unpacks them into /tmp/site there. Users with a package index install sglang and ray as usual instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUNDLE=${SGLANG_BUNDLE:-../shared/sglang-gpu}
+STAGE=.gpu-stage
+mkdir -p "$STAGE"
+grep -qx "/$STAGE/" .git/info/exclude 2>/dev/null || echo "/$STAGE/" >> .git/info/exclude
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if [ ! -f "$STAGE/site.tar.xz" ]; then
+  mkdir -p "$tmp/site"
+  for w in "$BUNDLE"/wheels/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
+  tar cf - -C "$tmp/site" . | xz -9 -T0 > "$STAGE/site.tar.xz"
+fi
+rm -rf "$STAGE/shim" && cp -r "$BUNDLE/shim" "$STAGE/shim"
+if [ ! -f "$STAGE/ray.tar.xz" ]; then
+  PY=${PYTHON:-.venv/bin/python}
+  "$PY" -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+      -d "$tmp/whl" ray==2.60.0 'msgpack>=1,<2'
+  mkdir -p "$tmp/ray"
+  for w in "$tmp"/whl/*.whl; do unzip -q -o "$w" -d "$tmp/ray"; done
+  rm -rf "$tmp"/ray/ray/{jars,rllib,data,serve,train,tune,llm} "$tmp/ray/ray/dashboard/client"
+  strip --strip-unneeded "$tmp/ray/ray/_raylet.so" "$tmp/ray/ray/core/src/ray/gcs/gcs_server" \
+      "$tmp/ray/ray/core/src/ray/raylet/raylet"
+  tar cf - -C "$tmp/ray" . | xz -9 -T0 > "$STAGE/ray.tar.xz"
+fi
+du -sh "$STAGE"/*
