@@ -580,6 +580,13 @@ def test_a_group_of_one_is_the_score_in_verl_and_zero_here(estimator):
     torch.testing.assert_close(data.batch["advantages"], want[:, None].expand(4, 3))
     mine = compute_advantages(scores.double(), torch.arange(4), torch.full((4,), 3), AlgoConfig(estimator=estimator))
     assert mine.values.tolist() == [0.0] * 4 and mine.zero_variance.all()
+    # so training refuses rollout.n_samples=1 with them, naming what verl would do
+    from agentloop.config import load_config, validate_for_training
+    from agentloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"rollout.n_samples=1 with algo.estimator={estimator}.*raw score"):
+        validate_for_training(load_config(None, ["rollout.n_samples=1", f"algo.estimator={estimator}"]))
+    validate_for_training(load_config(None, ["rollout.n_samples=1", "algo.estimator=reinforce_pp"]))
 
 
 def test_reinforce_pp_keeps_the_score_of_a_response_ending_in_tool_tokens_verl_loses_it():
