@@ -497,6 +497,11 @@ def validate_for_training(cfg: Config) -> Config:
                         "the built-in tiny model while the servers serve whatever they were started with; pass "
                         "--model DIR, the Hugging Face directory the servers were started with")
     problems += _cluster_problems(cfg)
+    if cfg.rollout.n_samples == 1 and cfg.algo.estimator in ("grpo", "rloo"):
+        problems.append(f"rollout.n_samples=1 with algo.estimator={cfg.algo.estimator}: every group is one episode, "
+                        "whose advantage is 0 here (no baseline; verl's grpo/rloo would use the raw score), so "
+                        "nothing would be learned; use rollout.n_samples >= 2, or algo.estimator=reinforce_pp "
+                        "(a batch-wide baseline) for one sample per prompt")
     if truncated and not cfg.train.accept_biased_ratios:
         problems.append(f"{', '.join(truncated)} truncates sampling, but the server's logprobs are those of the "
                         "full tempered softmax, so PPO ratios and TIS weights would be off; use the defaults "

@@ -25,6 +25,7 @@ estimator except reinforce_pp; with `drop_zero_variance_groups` they are also ma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -98,10 +99,21 @@ def rloo(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor, cfg
     return torch.where(n > 1, rewards - others, torch.zeros_like(rewards))
 
 
+def whiten_scale(var: float, count: float, cfg: AlgoConfig) -> float:
+    """The factor REINFORCE++'s whitening multiplies (G - mean) by, from the biased variance `var` of `count`
+    values: 1 / (sqrt(var) + adv_eps), or with `reinforce_pp_whiten=verl` verl's masked_whiten,
+    1 / sqrt(var * count / (count - 1) + 1e-8) (one value: its variance, 0)."""
+    var = max(float(var), 0.0)
+    if cfg.reinforce_pp_whiten == "verl":
+        unbiased = var * count / (count - 1) if count > 1 else var
+        return 1.0 / math.sqrt(unbiased + 1e-8)
+    return 1.0 / (math.sqrt(var) + cfg.adv_eps)
+
+
 @register_estimator("reinforce_pp")
 def reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
     """REINFORCE++: the outcome reward is every token's return; returns are whitened over all
-    model tokens of the batch: A = (r - mean_tok) / (std_tok + eps).
+    model tokens of the batch: A = (r - mean_tok) / (std_tok + eps) (`algo.reinforce_pp_whiten`: `whiten_scale`).
 
     Token-level statistics are the episode statistics weighted by each episode's model-token
     count. Groups are ignored. The paper's per-token KL in the reward is `algo.kl_type=k1_reward`
@@ -109,11 +121,12 @@ def reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Ten
     config error: a group of equal rewards still has non-zero advantages here.
     """
     w = lengths.to(rewards.dtype)
-    if w.sum() <= 0:
+    n = float(w.sum())
+    if n <= 0:
         return torch.zeros_like(rewards)
-    mean = (w * rewards).sum() / w.sum()
-    var = (w * (rewards - mean) ** 2).sum() / w.sum()
-    return (rewards - mean) / (var.sqrt() + cfg.adv_eps)
+    mean = (w * rewards).sum() / n
+    var = (w * (rewards - mean) ** 2).sum() / n
+    return (rewards - mean) * whiten_scale(float(var), n, cfg)
 
 
 @dataclass
@@ -182,4 +195,5 @@ __all__ = [
     "grpo",
     "reinforce_pp",
     "rloo",
+    "whiten_scale",
 ]

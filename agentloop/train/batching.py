@@ -68,7 +68,7 @@ from agentloop.records import EpisodeRecord
 from agentloop.train.advantages import Advantages, compute_advantages, group_ids
 from agentloop.train.config import AlgoConfig, LossAggMode
 from agentloop.train.flops import RowCost
-from agentloop.train.losses import token_weights
+from agentloop.train.losses import LossOutput, policy_loss, token_weights
 
 Lengths = Sequence[int] | Mapping[int, int]
 """Lengths indexed by the ids being packed (episode indices, or a row's first episode)."""
@@ -295,6 +295,9 @@ class MicroBatch:
     """Filled by the learner (recompute mode) before the first update."""
     ref_logprobs: torch.Tensor | None = None
     """Filled by the learner when kl_coef > 0."""
+    model_mask: torch.Tensor | None = None
+    """The loss mask before `algo.rollout_rs` rejected tokens from it (set by agentloop.train.verl_order): a
+    sequence-level importance weight sums its episode's log-ratios over these, as verl's does."""
     attn_cache: dict = field(default_factory=dict)
     """The attention mask built from doc_ids/seg_ids for a device, kept for the step's later passes."""
 
@@ -316,10 +319,19 @@ class MicroBatch:
         """Some item holds a shared prompt (padded layout: a 4-D attention mask)."""
         return self.shared_rows > 0
 
+    def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, algo: AlgoConfig, *,
+             entropy: torch.Tensor | None = None) -> LossOutput:
+        """`losses.policy_loss` on this micro-batch's tensors (its mask, weights, behaviour and reference logprobs,
+        episodes and pre-rejection mask), given the current logprobs, the ratio's denominator and the advantages:
+        the learner's loss of one forward/backward."""
+        return policy_loss(logp, old_logp, advantages, self.loss_mask, self.weights, algo,
+                           rollout_logp=self.rollout_logprobs, ref_logp=self.ref_logprobs, entropy=entropy,
+                           seq_ids=self.seq_ids, n_seqs=len(self.spans), seq_mask=self.model_mask)
+
     def to(self, device: torch.device) -> "MicroBatch":
         for name in ("input_ids", "attention_mask", "position_ids", "targets", "loss_mask", "advantages",
-                     "rollout_logprobs", "weights", "old_logprobs", "ref_logprobs", "ret_end", "versions",
-                     "seq_ids", "doc_ids", "seg_ids"):
+                     "rollout_logprobs", "weights", "old_logprobs", "ref_logprobs", "model_mask", "ret_end",
+                     "versions", "seq_ids", "doc_ids", "seg_ids"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))

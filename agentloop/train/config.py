@@ -99,6 +99,10 @@ class AlgoConfig(_Section):
     """GRPO: divide by the group's reward std. False = Dr. GRPO (mean baseline only)."""
     adv_eps: float = Field(default=1e-6, gt=0)
     """Added to a std before dividing by it."""
+    reinforce_pp_whiten: Literal["std", "verl"] = "std"
+    """How estimator=reinforce_pp whitens the returns over the step's model tokens (mean m): std: (G - m) / (s +
+    adv_eps), s the biased (population) standard deviation; verl: (G - m) / sqrt(v + 1e-8), v the unbiased (n - 1)
+    variance, verl's masked_whiten (its algorithm.adv_estimator=reinforce_plus_plus). Only with reinforce_pp."""
     drop_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (their advantages are 0) from the loss and its denominators."""
     clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
@@ -155,16 +159,17 @@ class AlgoConfig(_Section):
     """What `tis_cap` weighs (verl's algorithm.rollout_correction.rollout_is): token: each token by its own
     min(pi_proximal / pi_behaviour, tis_cap); sequence: every token of an episode by min(prod over the episode's
     model tokens of pi_proximal / pi_behaviour, tis_cap), the product taken as exp of the summed log-ratio
-    bounded to [-20, 20]."""
+    bounded to [-20, 20]; tokens that `rollout_rs` rejected stay in the product (verl weighs before it rejects)."""
     rollout_rs: str | None = None
     """verl's algorithm.rollout_correction.rollout_rs: rejection sampling on the step-start (proximal) policy
     against the behaviour one, r = pi_proximal / pi_behaviour per token. Comma-separated options, all must
     pass: token_k1, token_k2, token_k3 (per token), seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3 (per
     episode: the sum, mean or max of the token statistic over its model tokens; a rejected episode loses every
     token). Statistics: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (log r bounded to [-20, 20]).
-    Rejected tokens leave the loss, the aggregation denominators and REINFORCE++'s whitening, as verl's
-    modified response mask does. Needs old_logprobs=recompute with proximal=recompute (a no-grad pass at the
-    start of every step). None = off."""
+    Rejected tokens leave the loss, the token-mean denominator and REINFORCE++'s returns and whitening, as verl's
+    modified response mask does; a fully rejected episode still counts as a sequence of its mini-batch in the
+    seq-mean-* modes (verl's trainer divides by the mini-batch's episode count). Needs old_logprobs=recompute with
+    proximal=recompute (a no-grad pass at the start of every step). None = off."""
     rollout_rs_threshold: str | float | None = None
     """Thresholds of `rollout_rs`, verl's format: one entry, or one per option, comma-separated. k1 options:
     "lower_upper" (kept when log(lower) <= k1 <= log(upper)) or one number u (lower = 1/u); k2/k3 options:
@@ -206,6 +211,9 @@ class AlgoConfig(_Section):
             raise ValueError("algo.estimator=reinforce_pp with algo.drop_zero_variance_groups=true: REINFORCE++ "
                              "whitens rewards over the whole batch, so a group of equal rewards still has "
                              "non-zero advantages and dropping it would drop real signal; set one of them otherwise")
+        if self.reinforce_pp_whiten != "std" and self.estimator != "reinforce_pp":
+            raise ValueError(f"algo.reinforce_pp_whiten={self.reinforce_pp_whiten!r} applies to "
+                             f"algo.estimator=reinforce_pp only (estimator is {self.estimator!r}); leave it 'std'")
         if self.rollout_rs is not None:
             parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)  # a bad spec fails here, named
             if self.old_logprobs != "recompute" or self.proximal != "recompute":

@@ -505,7 +505,7 @@ class Learner:
         import torch.distributed as dist
 
         from agentloop.train.batching import kl_reward_advantages
-        from agentloop.train.losses import Stats, interpolate_proximal, policy_loss
+        from agentloop.train.losses import Stats, interpolate_proximal
 
         t0 = time.perf_counter()
         algo, cfg = self.algo, self.cfg
@@ -605,9 +605,7 @@ class Learner:
                     if kl_reward:
                         adv, pen = kl_reward_advantages(mb, adv, old, mb.ref_logprobs, algo.kl_coef)
                         stats.add_mean("actor/kl_penalty", pen.sum() / algo.kl_coef, mb.loss_mask.sum())
-                    out = policy_loss(logp, old, adv, mb.loss_mask, mb.weights, algo,
-                                      rollout_logp=mb.rollout_logprobs, ref_logp=mb.ref_logprobs, entropy=ent,
-                                      seq_ids=mb.seq_ids, n_seqs=len(mb.spans))
+                    out = mb.loss(logp, old, adv, algo, entropy=ent)
                     (out.loss * self.world).backward()
                     part = out.loss.detach() if part is None else part + out.loss.detach()
                     stats.merge(out.stats)

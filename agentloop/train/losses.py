@@ -233,6 +233,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     seq_ids: torch.Tensor | None = None,
     n_seqs: int = 0,
+    seq_mask: torch.Tensor | None = None,
 ) -> LossOutput:
     """Loss of one micro-batch; all inputs Tensor[B, T] aligned on the same tokens.
 
@@ -243,7 +244,8 @@ def policy_loss(
     rollout mode it is `old_logp`); ref_logp: frozen reference logprobs (needed when kl_coef > 0);
     entropy: per-token entropy of the current policy (with grad when entropy_coef > 0);
     seq_ids: per position, the index (0..n_seqs-1) of the episode it belongs to, -1 elsewhere (needed by
-    tis_level=sequence, whose weight is a product over each episode's tokens).
+    tis_level=sequence, whose weight is a product over each episode's tokens); seq_mask: the tokens that
+    product runs over (default `mask`; the mask before rollout_rs rejected tokens from it, as in verl).
     Nothing here reads a value back to the host.
     """
     f32 = torch.float32
@@ -280,7 +282,9 @@ def policy_loss(
 
                     # verl's rollout_is=sequence: the product of the episode's token ratios, from the summed
                     # (unbounded) log-ratios, bounded once
-                    w_is = torch.exp(sequence_log_ratio(log_w_raw, mf, seq_ids, n_seqs).clamp(-20.0, 20.0)) * mf
+                    sm = mf if seq_mask is None else seq_mask.to(f32)
+                    log_seq = sequence_log_ratio((old_logp - rollout_logp.to(f32)).detach(), sm, seq_ids, n_seqs)
+                    w_is = torch.exp(log_seq.clamp(-20.0, 20.0)) * mf
                 else:
                     w_is = raw_w
                 tis_w = w_is.clamp(max=cfg.tis_cap)

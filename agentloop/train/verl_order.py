@@ -1,8 +1,9 @@
 """verl's order of a step, for the two verl features that need the step-start logprobs before any
 advantage exists: the KL penalty in the reward (algo.use_kl_in_reward) and rejection sampling
 (algo.rollout_rs). The learner runs its no-grad passes (old, reference) first, then `apply_verl_order`
-rewrites each micro-batch's loss mask, aggregation weights and advantages, as verl's ray_trainer does
-between `apply_kl_penalty` / `compute_rollout_correction_and_add_to_batch` and `compute_advantage`.
+rewrites each micro-batch's loss mask, aggregation weights and advantages, as verl's trainer does between
+`apply_kl_penalty` / `compute_rollout_correction_and_add_to_batch` and `compute_advantage` (verl 0.9.1:
+tests/unit/train/test_verl_parity.py runs verl's own functions on the same batches).
 
 Map:
     kl_penalty          verl's per-token penalties (kl, abs, mse, low_var_kl) of d = old - ref
@@ -14,14 +15,19 @@ Map:
 What the estimators see (verl's compute_advantage on token_level_rewards = scores - beta * kld):
     grpo, rloo     the episode reward minus beta * the episode's summed penalty, then the estimator as usual
                    (groups of one, std, eps: agentloop.train.advantages); one advantage per episode
-    reinforce_pp   per token, the return-to-go G_t = reward - beta * (penalties from t to the episode's end),
-                   whitened over all kept model tokens of the step (mean, biased std + adv_eps, as our
-                   reinforce_pp); verl restarts that return at every mask-0 (tool) token, here it runs over
-                   the whole episode
-Rejected tokens (rollout_rs) leave the loss mask, the denominators of every aggregation mode (a fully
-rejected episode is no longer a sequence) and REINFORCE++'s whitening; grpo/rloo group statistics keep
-every episode, as verl's (its scores are unmasked sums). The penalty is summed over every model token,
-rejected or not (verl applies the KL before the rejection).
+    reinforce_pp   per token, the return-to-go G_t = reward - beta * (penalties of the kept model tokens from t
+                   to the episode's end), whitened over all kept model tokens of the step
+                   (`algo.reinforce_pp_whiten`: ours, or verl's masked_whiten). verl's return skips every mask-0
+                   position and carries the sum through it: tool tokens and rejected tokens add nothing, as here.
+                   One difference: verl places the score on the response's last position, so an episode whose
+                   response ends with tool tokens (or whose last token was rejected) loses its score in verl;
+                   here the reward always counts
+Rejected tokens (rollout_rs) leave the loss mask, the token-mean denominator and REINFORCE++'s returns and
+whitening; a fully rejected episode still counts as one of its mini-batch's sequences under seq-mean-* (verl's
+trainer divides by the mini-batch's episode count, ppo_mini_batch_size x n); grpo/rloo group statistics keep
+every episode, as verl's (its scores are unmasked sums). The grpo/rloo penalty is summed over every model token,
+rejected or not (verl applies the KL before the rejection), and so is the log-ratio of a sequence-level
+importance weight (`MicroBatch.model_mask`: verl weighs before it rejects).
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ def apply_verl_order(
             kld[id(mb)] = kl_penalty(old.to(torch.float32), mb.ref_logprobs.to(torch.float32), algo.kl_penalty) * mask
             sums[0].index_add_(0, ids, seq_sum(kld[id(mb)].to(f64), mb.seq_ids, ns))
         if rules is not None:
+            mb.model_mask = mb.loss_mask.clone()
             keep = rejection_keep((old - mb.rollout_logprobs).to(torch.float32), mask, mb.seq_ids, ns, rules)
             mb.loss_mask = keep.to(mb.loss_mask.dtype)
         sums[1].index_add_(0, ids, seq_sum(mb.loss_mask.to(f64), mb.seq_ids, ns))
@@ -137,30 +144,34 @@ def apply_verl_order(
         metrics["mismatch/rs_seq_masked_frac"] = float((kept < model_tokens).to(f64).mean()) if n else 0.0
         for idxs, plan in zip(minis, plans):
             num_tokens = float(kept[list(idxs)].sum())
-            num_seqs = float((kept[list(idxs)] > 0).sum())
+            # every episode of the mini-batch, a fully rejected one too: verl's trainer passes the mini-batch
+            # size (ppo_mini_batch_size x n) to agg_loss as the seq-mean denominator
+            num_seqs = float(len(idxs))
             for mb in plan:
                 if mb.episode_ids:
                     reweight(mb, algo.loss_agg_mode, num_tokens, num_seqs)
 
     if algo.estimator == "reinforce_pp":
-        # token-level: the return-to-go of (reward at the end - beta * penalty per token), whitened over the
-        # kept tokens of the whole step
+        from agentloop.train.advantages import whiten_scale
+
+        # token-level: the return-to-go of (reward at the end - beta * penalty per kept token), whitened over
+        # the kept tokens of the whole step
         g: dict[int, torch.Tensor] = {}
         mom = torch.zeros(3, dtype=f64, device=device)
         for mb in mbs:
             reward = torch.tensor([eps[i].reward for i in mb.episode_ids], dtype=torch.float32, device=device)
             ret = seq_broadcast(reward, mb.seq_ids)
             if kl_on:
-                ret = ret - beta * episode_return(mb, kld[id(mb)])
+                ret = ret - beta * episode_return(mb, kld[id(mb)] * mb.loss_mask.to(torch.float32))
             m = mb.loss_mask.to(f64)
             g[id(mb)] = ret
             mom += torch.stack([(ret.to(f64) * m).sum(), (ret.to(f64) ** 2 * m).sum(), m.sum()])
         all_reduce(mom)
         count = float(mom[2])
         mean = float(mom[0]) / max(count, 1.0)
-        std = max(float(mom[1]) / max(count, 1.0) - mean * mean, 0.0) ** 0.5
+        scale = whiten_scale(float(mom[1]) / max(count, 1.0) - mean * mean, count, algo)
         for mb in mbs:
-            mb.advantages = ((g[id(mb)] - mean) / (std + algo.adv_eps) * mb.loss_mask).to(mb.advantages.dtype)
+            mb.advantages = ((g[id(mb)] - mean) * scale * mb.loss_mask).to(mb.advantages.dtype)
         return metrics, current_kl
 
     # grpo, rloo and registered per-episode estimators: the penalised episode reward, the same groups
