@@ -27,8 +27,9 @@ paths that need two GPUs. Rows:
   part two (resume, interrupts and the Ray kill at once, then the learner on two ranks, then Ray's cost)
     resume-nccl          as resume-tensor with learner.weight_sync=nccl (server GPU 0, learner GPU 1)
     interrupt-nccl-M     as interrupt-tensor-M with nccl
-    ray-kill-server      Ray, two server actors sharing GPU 0 and the learner on GPU 1 (nccl): one server actor
-                         killed mid-rollout; the run finishes with every group whole (0 episodes lost)
+    ray-kill-server      Ray (`ray start --head`), two server actors sharing a GPU and the learner on the other (disk:
+                         each step's weights fetched once for the node): one server actor killed mid-rollout; the
+                         run finishes with every group whole (0 episodes lost)
     ray-cost-2gpu        server GPU 0, learner GPU 1 (nccl), local then Ray: steps/h, Ray costs < 2%
     plan-memory          the GPU plan's learner peak and KV pool (the local separate run) against the measured ones
     learner-2rank-S      `agentloop bench train --nproc 2`, 0.5b and 1.5b: MFU per rank, scaling efficiency against
@@ -600,8 +601,9 @@ class Rows:
                     "learner.checkpoint_every=null", "cluster.backend=ray", f"cluster.address={address}",
                     "server.num_local=2", "manager.retry_budget_s=300", *acc.server_overrides()]
             if not acc.smoke:
+                # disk: the servers' per-node copy of each step's weights (one fetch for both) on the GPU path too
                 args += ["cluster.server_gpus=0.5", "server.mem_fraction_static=0.85", "server.max_total_tokens=131072",
-                         "learner.weight_sync=nccl"]
+                         "learner.weight_sync=disk"]
             cmd = [sys.executable, "-m", "agentloop.cli", *args]
             with log.open("ab") as fh:
                 fh.write(("$ " + shlex.join(cmd) + "\n").encode())
@@ -611,6 +613,8 @@ class Rows:
                 try:
                     wait_for(lambda: (run / "rollouts" / "step-000001.jsonl").is_file(), p, 400, "step 1's records")
                     code = ("import ray, sys\n"
+                            "from agentloop.cluster.backend import use_ray_token\n"
+                            "use_ray_token()\n"  # `ray start --head` turned token authentication on
                             f"ray.init(address={address!r}, namespace='agentloop', log_to_driver=False)\n"
                             f"v = ray.get_actor('agentloop-{run.name}-server1')\n"
                             "print(ray.get(v.info.remote(), timeout=60)['url'])\n"
@@ -648,9 +652,14 @@ class Rows:
             raise Failed(f"steps {lost} trained partial groups or error records")
         if not any(killed in ln and "ejected" in ln for ln in out.splitlines()):
             raise Failed(f"the killed server {killed} was never ejected")
-        r.data = {"killed": killed, "ejections": rows[-1].get("server/ejections")}
+        import tempfile
+
+        node = Path(tempfile.gettempdir()) / "agentloop-ray" / f"agentloop-{run.name}" / "weights" / "weights.jsonl"
+        fetches = [json.loads(ln) for ln in node.read_text().splitlines()] if node.is_file() else []
+        r.data = {"killed": killed, "ejections": rows[-1].get("server/ejections"), "node_fetches": fetches}
         r.figure = (f"server actor {killed} killed after step 1; 3 steps, every group whole (0 episodes lost), "
-                    f"{rows[-1].get('server/ejections', 0):.0f} ejection(s)")
+                    f"{rows[-1].get('server/ejections', 0):.0f} ejection(s); weights fetched for the node "
+                    f"{len(fetches)} time(s) ({', '.join(Path(f['to']).name for f in fetches)})")
 
     # ---- the learner alone
 

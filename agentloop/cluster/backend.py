@@ -48,6 +48,8 @@ class RayBackend(Backend):
                 # Logical CPUs only schedule actors: a small host still places every server and learner rank.
                 need = (self.cfg.server.num_local + self.cfg.learner.nproc + c.rollout_workers) * c.cpus_per_actor
                 kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
+            else:
+                use_ray_token()
             # "local": a new instance for the run even where another cluster runs on this machine (address None
             # would join that one, and refuse num_cpus)
             ray.init(address=c.address or "local", **kw)
@@ -117,4 +119,21 @@ class RayBackend(Backend):
             self._connected = False
 
 
-__all__ = ["RayBackend"]
+def use_ray_token() -> bool:
+    """Before joining a running cluster (cluster.address): Ray 2.60's `ray start --head` turns token authentication on
+    and writes the token (~/.ray/auth_token), but a client that joins by address sends it only in token mode, and
+    otherwise retries "Authentication token is missing or incorrect" until it gives up. Where RAY_AUTH_MODE is unset
+    and Ray finds a token here, token mode is switched on for this process and its children, by Ray's own call for
+    it (a cluster without authentication ignores the token). True if it was."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return False
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return False
+    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+
+
+__all__ = ["RayBackend", "use_ray_token"]
