@@ -387,10 +387,7 @@ class Rows:
         name = "tiny" if self.acc.smoke else name
         with self._models_lock:
             if name not in self._models:
-                from agentloop.models.modelzoo import ensure_shape_model, ensure_tiny_model
-
-                self._models[name] = ensure_tiny_model() if name == "tiny" else ensure_shape_model(
-                    "qwen2.5-0.5b-shape")
+                self._models[name] = build_model("tiny" if name == "tiny" else "qwen2.5-0.5b-shape")
             return self._models[name]
 
     # ---- resume after SIGKILL, then the final weights in `agentloop rollout`
@@ -705,13 +702,24 @@ def _short(shape: str) -> str:
     return shape.removeprefix("qwen2.5-").removesuffix("-shape")
 
 
+def build_model(name: str) -> Path:
+    """The tiny model or a named shape's random weights, built once (cached), by a child process: the harness
+    itself imports no model code (a transformers import in its threads failed once on the GPU machine)."""
+    fn = "ensure_tiny_model()" if name == "tiny" else f"ensure_shape_model({name!r})"
+    out = subprocess.run([sys.executable, "-c", "from agentloop.models.modelzoo import ensure_shape_model, "
+                          f"ensure_tiny_model; print({fn})"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
+    if out.returncode != 0:
+        raise Failed(f"building {name} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 def prebuild(name: str) -> threading.Thread:
     """Build a shape's random weights in the background (CPU), so the learner bench finds them cached."""
     def build() -> None:
         try:
-            from agentloop.models.modelzoo import ensure_shape_model
-
-            ensure_shape_model(name)
+            build_model(name)
         except Exception as e:  # noqa: BLE001 - the bench builds it itself then, and says why it fails
             print(f"[acceptance] prebuilding {name} failed: {e}", flush=True)
 

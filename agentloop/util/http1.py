@@ -292,7 +292,7 @@ class _Conn(asyncio.Protocol):
 class Http1Pool:
     """Pooled HTTP/1.1 connections; `await pool.post(url, path, body, timeout=..., connect_timeout=...)`."""
 
-    def __init__(self, keepalive_s: float = 3.0, *, max_connecting: int | None = 128, connect_attempt_s: float = 2.0,
+    def __init__(self, keepalive_s: float = 3.0, *, max_connecting: int | None = 1024, connect_attempt_s: float = 2.0,
                  max_body: int = DEFAULT_MAX_BODY):
         """`max_connecting`: per server, connections not yet heard from (None: no pacing; module doc).
         `connect_attempt_s`: one connect attempt's share of the connect timeout before a fresh socket is tried."""
