@@ -171,6 +171,10 @@ class Acceptance:
         names = sorted({self.cards[i].split(",")[0] for i in idx if i < len(self.cards)})
         return f"{' + '.join(names)} (GPU {gpus} of {len(self.cards)})"
 
+    def wants(self, prefix: str) -> bool:
+        """Whether a row whose name starts with `prefix` may run (ACC_ROWS)."""
+        return self.only is None or any(n.startswith(prefix) for n in self.only)
+
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -805,7 +809,7 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
         acc.row("learner-1rank-1.5b", "bench train, varlen + compile, one rank, 1.5B shape", 100, "1",
                 lambda r: rows.learner(r, 1, "qwen2.5-1.5b-shape", "1"))
 
-    if not acc.smoke:
+    if not acc.smoke and acc.wants("learner-"):
         prebuild("qwen2.5-1.5b-shape")
     tests = threading.Thread(target=lambda: acc.row("gpu-tests", "pytest -m gpu (every GPU test of the suite)", 120,
                                                     "0,1", gpu_tests))
@@ -821,7 +825,7 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
 
 
 def part_two(acc: Acceptance, rows: Rows) -> None:
-    if not acc.smoke:
+    if not acc.smoke and acc.wants("learner-"):
         prebuild("qwen2.5-1.5b-shape")
     streams = [
         threading.Thread(target=lambda: acc.row(
