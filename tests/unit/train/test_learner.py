@@ -735,18 +735,22 @@ def test_gpu_two_ranks_nccl_matches_one_rank(tiny_model, tmp_path):
 
 @pytest.mark.gpu
 @JIT_WARNING
-def test_gpu_bf16_step(tiny_model, tmp_path):
-    """On CUDA: nccl, bf16 compute with float32 master weights, bf16 HF export."""
+@pytest.mark.parametrize("compile_", ["off", "on"])
+def test_gpu_bf16_step(tiny_model, tmp_path, compile_):
+    """On CUDA: nccl, bf16 compute with float32 master weights, bf16 HF export. Eager, the step's own logprobs equal
+    `compute_logprobs`' (the same bf16 forward both times); compiled (learner.compile auto = on for a CUDA learner),
+    inductor lowers the no-grad and the training graph apart, so they agree within bf16 rounding (1.1e-3 seen on an
+    H200)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     algo = AlgoConfig(kl_coef=0.01, entropy_coef=0.001)
-    learner = Learner(tiny_model, algo, LearnerConfig(lr=1e-3, micro_batch_tokens=40))
+    learner = Learner(tiny_model, algo, LearnerConfig(lr=1e-3, micro_batch_tokens=40, compile=compile_))
     try:
         assert learner.device.type == "cuda" and learner.compute_dtype == torch.bfloat16
         recs = make_records(1)
         recs = with_logprobs(recs, learner.compute_logprobs(recs))
         m1 = learner.train_step(recs, 1)
-        assert m1["mismatch/logprob_abs_diff_max"] < 1e-6  # same bf16 forward both times
+        assert m1["mismatch/logprob_abs_diff_max"] < (1e-6 if compile_ == "off" else 2e-2)
         m2 = learner.train_step(recs, 2)
         assert all(math.isfinite(v) for v in m2.values())
         assert m2["actor/loss"] < m1["actor/loss"]
