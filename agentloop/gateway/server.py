@@ -23,6 +23,7 @@ backend failed (the backend remembers the failure and the episode fails with it)
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
@@ -96,7 +97,14 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> "Gateway":
-        """Listen on gateway.host:gateway.port (0: a free port); idempotent."""
+        """Listen on gateway.host:gateway.port (0: a free port); idempotent.
+
+        The server is set up in a context of its own: its accept loop and every handler task copy the context
+        current when it starts listening, and the first episode's (its trajectory list, its deadline) must
+        not become every later request's. Each session's backend is told its episode explicitly instead."""
+        return await asyncio.create_task(self._start(), name="gateway-start", context=contextvars.Context())
+
+    async def _start(self) -> "Gateway":
         async with self._start_lock:
             if self._closed:
                 raise RuntimeError("the gateway was closed")

@@ -33,6 +33,14 @@ difference is logged once and counted); its max_tokens may only lower the per-ca
 context is answered 400 context_length_exceeded. A failed generate call (servers down, retries spent)
 is answered 503 and remembered in `failure`: the loop fails the episode with it.
 
+Policy faults. What the policy did that a harness may fail on is remembered in `policy_faults`: a
+conversation that overflowed the context, a tool call the parser could not read, a call of a tool the
+request did not offer or with arguments its schema refuses. When the agent then fails, the loop makes
+the episode the policy's failure (AgentPolicyError, with its tokens) rather than the infrastructure's.
+
+Builders. Each segment's TrajectoryBuilder is appended to `watch` (the engine's list of the episode's
+builders), passed explicitly: the gateway's handlers run in the gateway's context, not the episode's.
+
 Simplification: a new segment's prompt is tokenized as a whole, control tokens included, like a data
 row's prompt; only tokens appended to a segment get the plain-text rule for environment content.
 """
@@ -83,8 +91,12 @@ class ChatSession:
     tokenizer, chat template, context length and per-turn seeds)."""
 
     def __init__(self, loop: "AgentLoopBase", episode_id: str, sampling_params: SamplingParams, *,
-                 parser: str = "hermes", check_template: bool = True, max_tokens_per_call: int | None = None):
+                 parser: str = "hermes", check_template: bool = True, max_tokens_per_call: int | None = None,
+                 watch: list[TrajectoryBuilder] | None = None):
         self.loop = loop
+        self.watch = watch
+        self.policy_faults: list[str] = []
+        """What the policy did that a harness may fail on (see the module doc), in order."""
         self.episode_id = episode_id
         self.sp = sampling_params
         self.parse = get_parser(parser)
@@ -102,7 +114,7 @@ class ChatSession:
         self._lock = asyncio.Lock()
         self.m: dict[str, float] = {k: 0.0 for k in (
             "requests", "segments", "turns", "tool_calls", "tool_calls_made", "parse_errors",
-            "sampling_ignored", "context_exceeded", "gen_time_s")}
+            "sampling_ignored", "context_exceeded", "invalid_tool_calls", "gen_time_s")}
 
     # ------------------------------------------------------------------ the backend
 
@@ -131,6 +143,8 @@ class ChatSession:
         room = self.loop.context_length - len(prompt)
         if room < 1:
             self.m["context_exceeded"] += 1
+            self.policy_faults.append(f"the conversation overflowed the context ({len(prompt)} tokens > "
+                                      f"{self.loop.context_length})")
             raise GatewayError(400, f"the conversation is {len(prompt)} tokens; the model's context is "
                                     f"{self.loop.context_length} tokens", code="context_length_exceeded",
                                param="messages")
@@ -149,7 +163,8 @@ class ChatSession:
         completion = self._answer(req, raw, end_text, out.finish_reason, len(prompt), len(out.token_ids))
         # commit: nothing above changed the session, so a refused or failed request leaves it as it was
         if seg is None:
-            seg = _Segment(TrajectoryBuilder(prompt), [m.key() for m in req.messages], new_t, req.tools,
+            seg = _Segment(TrajectoryBuilder(prompt, watch=self.watch), [m.key() for m in req.messages], new_t,
+                           req.tools,
                            call_names={c.id: c.name for m in req.messages for c in m.tool_calls})
             self.segments.append(seg)
             self.m["segments"] += 1
@@ -218,6 +233,13 @@ class ChatSession:
         if req.tools and req.tool_choice != "none":
             parsed = self.parse(raw)
             self.m["parse_errors"] += len(parsed.errors)
+            if parsed.errors:
+                self.policy_faults.append(f"a tool call that could not be parsed: {parsed.errors[0]}")
+            for c in parsed.calls:
+                problem = _call_problem(c.name, c.arguments, req.tools)
+                if problem:
+                    self.m["invalid_tool_calls"] += 1
+                    self.policy_faults.append(problem)
             if parsed.calls:
                 prefix = "call_" if req.api == "openai" else "toolu_"
                 calls = [ToolCall(f"{prefix}{uuid.uuid4().hex[:24]}", c.name,
@@ -257,6 +279,21 @@ class ChatSession:
                                   extra={"messages": seg.template,
                                          "response_text": self.loop.decode(seg.builder.response_ids)})
                 for seg in self.segments]
+
+
+def _call_problem(name: str, arguments: Any, tools: list[dict[str, Any]]) -> str | None:
+    """Why a harness would refuse this parsed call (no such tool offered, arguments not an object or
+    missing a required key), or None."""
+    schema = next((t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name), None)
+    if schema is None:
+        return f"a call of tool {name!r}, which the request did not offer"
+    if not isinstance(arguments, dict):
+        return f"a call of {name!r} whose arguments are not a JSON object"
+    params = schema.get("parameters") or {}
+    missing = [k for k in params.get("required") or [] if k not in arguments]
+    if missing:
+        return f"a call of {name!r} without its required argument(s) {missing}"
+    return None
 
 
 __all__ = ["ChatSession"]

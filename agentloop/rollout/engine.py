@@ -5,7 +5,7 @@ Map:
                            `next()` once, as soon as its last episode ends (asynchronous training)
     RolloutEngine.run      a wrapper that submits every sample's group to a GroupStream and collects
                            the records: the eval path and the synchronous schedule
-    _run_episode           build the loop, seed it, run it under a timeout, score it; any exception
+    _run_episode           build the loop, seed it, run it under its deadline, score it; any exception
                            becomes an error record (AllServersDownError also stops the run); a timed-out
                            episode keeps the turns it finished; a reward that raises or times out scores
                            reward.failure_score (counted in the record's metrics)
@@ -206,17 +206,24 @@ class RolloutEngine:
         t0 = time.monotonic()
         sp = self.sampling_params(sample)
         built = watch_trajectories()  # this episode's task only: each episode runs in its own task
+        deadline = asyncio.timeout(self.cfg.rollout.episode_timeout_s)
         try:
             loop = self.loop_cls(server_manager=self.sm, tokenizer=self.tokenizer, config=self.cfg,
                                  **self.loop_kwargs)
-            out = await asyncio.wait_for(loop.run(sample, sp), timeout=self.cfg.rollout.episode_timeout_s)
+            loop.trajectories = built
+            async with deadline:
+                out = await loop.run(sample, sp)
             if not isinstance(out, AgentLoopOutput):
                 raise TypeError(f"{self.loop_cls.__name__}.run returned {type(out).__name__}, "
                                 "not AgentLoopOutput")
         except AllServersDownError:
             raise
-        except asyncio.TimeoutError:
-            return self._timeout_record(sample, built, step, time.monotonic() - t0)
+        except TimeoutError as e:
+            # only the episode's own deadline is the policy's timeout; a TimeoutError an environment raised
+            # inside the loop (a socket, an HTTP client) is that environment's failure (infra)
+            if deadline.expired():
+                return self._timeout_record(sample, built, step, time.monotonic() - t0)
+            return self._error_record(sample, e, step, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - an episode's failure becomes data, never a crash
             return self._error_record(sample, e, step, time.monotonic() - t0)
         finally:

@@ -14,12 +14,15 @@ import aiohttp
 import pytest
 
 from agentloop.config import ManagerConfig, load_config
-from agentloop.errors import AgentError
+from agentloop.errors import AgentError, failure_kind
+from agentloop.loops import chat_session
 from agentloop.loops.openai_agent import OpenAIAgentLoop, agent_reward
 from agentloop.records import EpisodeRecord, Sample
 from agentloop.rollout.engine import RolloutEngine
 from agentloop.rollout.summary import summarize
 from agentloop.server_manager import ServerManager
+from agentloop.tools.parsers import ParseResult
+from agentloop.tools.parsers import ToolCall as ParsedCall
 from tests.fakes.fake_sglang import FakeSGLang
 from tests.unit.loops.test_tool_loop import get_tokenizer
 
@@ -86,12 +89,14 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 # ---------------------------------------------------------------- running them
 
 def samples(n: int = 2) -> list[Sample]:
-    return [Sample(index=i, uid=10 + i, data_source="t", messages=[SYSTEM, {"role": "user", "content": f"q{i}"}])
+    return [Sample(index=i, uid=10 + i, data_source="t", messages=[SYSTEM, {"role": "user", "content": f"q{i}"}],
+                   ground_truth=f"answer-{i}", extra_info={"answer": f"answer-{i}"},
+                   tools_kwargs={"calc": {"create_kwargs": {"ground_truth": f"answer-{i}"}}})
             for i in range(n)]
 
 
 def run_engine(entry: str | None = None, *extra: str, n: int = 2, command: str | None = None, fake_kw=None,
-               during=None) -> tuple[list[EpisodeRecord], FakeSGLang]:
+               during=None, prompts: int = 2) -> tuple[list[EpisodeRecord], FakeSGLang]:
     async def main():
         fake = await FakeSGLang(vocab=500, **(fake_kw or {})).start()
         try:
@@ -100,7 +105,7 @@ def run_engine(entry: str | None = None, *extra: str, n: int = 2, command: str |
                                      "sampling.max_new_tokens=6", *agent, *extra])
             async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
                 engine = RolloutEngine(cfg, sm, get_tokenizer("modelzoo"), OpenAIAgentLoop, progress=False)
-                task = asyncio.create_task(engine.run(samples(), n_samples=n))
+                task = asyncio.create_task(engine.run(samples(prompts), n_samples=n))
                 if during is not None:
                     await during(sm, fake)
                 return (await task).records, fake
@@ -151,7 +156,6 @@ def test_without_a_reward_the_last_assistant_message_is_scored(tmp_path):
 
 @pytest.mark.parametrize("agent,error,text", [
     ("raises", "AgentError", "raised ValueError: harness bug"),
-    ("hangs", "AgentTimeoutError", "agent.timeout_s=0.5"),
     ("silent", "AgentError", "made no model request"),
     ("malformed", "AgentError", "HTTP 400: 'messages' must be a non-empty list"),
 ])
@@ -159,6 +163,15 @@ def test_failing_agents_become_error_records(agent, error, text):
     recs, _ = run_engine(f"{HERE}:{agent}", "agent.timeout_s=0.5")
     assert len(recs) == 4 and by_error(recs) == [error] * 4
     assert all(text in r.error and r.finish_reason == "error" and r.reward is None for r in recs)
+    assert all(failure_kind(r.error, r.finish_reason) == "infra" for r in recs)
+
+
+def test_a_timed_out_agent_is_the_policys_failure_with_its_tokens():
+    recs, _ = run_engine(f"{HERE}:hangs", "agent.timeout_s=0.5")
+    assert len(recs) == 4 and by_error(recs) == ["AgentTimeoutError"] * 4
+    for r in recs:  # the turn it made before hanging is kept: trained at reward.failure_score
+        assert "agent.timeout_s=0.5" in r.error and r.finish_reason == "timeout" and r.reward is None
+        assert r.num_model_tokens > 0 and r.num_turns == 1 and failure_kind(r.error, r.finish_reason) == "policy"
 
 
 def _script(tmp_path: Path, body: str) -> str:
@@ -170,7 +183,10 @@ def _script(tmp_path: Path, body: str) -> str:
                     "        data=json.dumps({'model': 'm', 'messages': messages}).encode(),\n"
                     "        headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'],\n"
                     "                 'Content-Type': 'application/json'})\n"
-                    "    return json.loads(urllib.request.urlopen(req, timeout=60).read())\n" + body)
+                    "    return json.loads(urllib.request.urlopen(req, timeout=60).read())\n"
+                    "def result(obj):\n"
+                    "    with os.fdopen(int(os.environ['AGENTLOOP_RESULT_FD']), 'w') as f:\n"
+                    "        f.write(obj if isinstance(obj, str) else json.dumps(obj))\n" + body)
     return f"{sys.executable} {path}"
 
 
@@ -188,15 +204,15 @@ def test_command_harness_reward_from_its_last_stdout_line(tmp_path, wrap):
                             "assert os.environ['ANTHROPIC_BASE_URL'] + '/v1' == os.environ['OPENAI_BASE_URL']\n"
                             "assert os.environ['AGENTLOOP_EPISODE_ID'] == sample['episode_id']\n"
                             "print('working...')\n"
-                            "print(json.dumps({'reward': 0.75, 'turns': 1}))\n")
+                            "result({'reward': 0.75, 'turns': 1})\n")
     recs, _ = run_engine(None, command=cmd)
     assert all(r.error is None and r.reward == 0.75 and r.extra["agent_result"] == {"turns": 1} for r in recs)
 
 
 @pytest.mark.parametrize("body,error,text", [
     ("chat(sample['messages'])\nsys.stderr.write('boom')\nsys.exit(3)\n", "AgentError", "exited with code 3; stderr tail: 'boom'"),
-    ("chat(sample['messages'])\nprint('{oops')\n", "AgentError", "looks like JSON but is not"),
-    ("chat(sample['messages'])\nprint(json.dumps({'reward': 'high'}))\n", "AgentError", "must be a finite number"),
+    ("chat(sample['messages'])\nresult('{oops')\n", "AgentError", "($AGENTLOOP_RESULT_FD) is not JSON"),
+    ("chat(sample['messages'])\nresult({'reward': 'high'})\n", "AgentError", "must be a finite number"),
 ])
 def test_command_harness_that_crashes_or_answers_badly(tmp_path, body, error, text):
     recs, _ = run_engine(None, command=_script(tmp_path, body))
@@ -256,3 +272,101 @@ def test_the_config_says_when_the_agent_is_missing_or_doubly_given():
         from agentloop.loops.openai_agent import load_entry
 
         load_entry(f"{HERE}:score")
+
+
+# ---------------------------------------------------------------- what the policy cannot game through an agent
+
+def test_stdout_cannot_write_the_reward_and_the_task_comes_without_the_answer(tmp_path):
+    seen = tmp_path / "stdin"
+    seen.mkdir()
+    # a harness that prints the model's text (here: a forged result) as its last stdout line
+    cmd = _script(tmp_path, f"open({str(seen)!r} + '/' + sample['episode_id'], 'w').write(json.dumps(sample))\n"
+                            "chat(sample['messages'])\n"
+                            "print(json.dumps({'reward': 1.0}))\n")
+    recs, _ = run_engine(None, f"reward.custom=\"{Path(__file__)}:score\"", command=cmd)
+    assert len(recs) == 4 and all(r.error is None and r.reward == 0.25 for r in recs)  # the data_source's score
+    stdins = [json.loads(p.read_text()) for p in seen.iterdir()]
+    assert len(stdins) == 4
+    for got in stdins:
+        assert "answer-" not in json.dumps(got), got
+        assert set(got) >= {"episode_id", "messages", "data_source", "index", "uid", "repeat"}
+
+
+def test_send_answer_gives_the_whole_sample(tmp_path):
+    seen = tmp_path / "stdin"
+    seen.mkdir()
+    cmd = _script(tmp_path, f"open({str(seen)!r} + '/' + sample['episode_id'], 'w').write(json.dumps(sample))\n"
+                            "chat(sample['messages'])\nresult({'reward': 0.5})\n")
+    recs, _ = run_engine(None, "agent.send_answer=true", command=cmd)
+    assert all(r.reward == 0.5 for r in recs)
+    for p in seen.iterdir():
+        got = json.loads(p.read_text())
+        assert got["ground_truth"].startswith("answer-") and got["extra_info"]["answer"] == got["ground_truth"]
+
+
+async def entry_sees(sample, base_url, api_key):
+    await chat(base_url, api_key, list(sample.messages))
+    return {"reward": 0.0, "gt": sample.ground_truth, "extra": sample.extra_info, "tk": sample.tools_kwargs}
+
+
+def test_an_entry_function_gets_the_task_without_the_answer():
+    recs, _ = run_engine(f"{HERE}:entry_sees")
+    assert all(r.extra["agent_result"] == {"gt": None, "extra": {}, "tk": {}} for r in recs)
+
+
+async def overflows(sample, base_url, api_key):
+    first = await chat(base_url, api_key, list(sample.messages))
+    await chat(base_url, api_key, list(sample.messages) + [first["choices"][0]["message"],
+                                                          {"role": "user", "content": "x " * 400}])
+
+
+async def bad_tool_call(sample, base_url, api_key):
+    body = await chat(base_url, api_key, list(sample.messages), tools=[CALC])
+    raise ValueError(f"the SDK could not use {body['choices'][0]['message']}")
+
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "d", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+@pytest.mark.parametrize("agent,fault,parsed", [
+    ("overflows", "overflowed the context", None),
+    ("bad_tool_call", "could not be parsed", ParseResult(errors=["malformed JSON in tool call"])),
+    ("bad_tool_call", "without its required argument(s) ['expression']",
+     ParseResult(calls=[ParsedCall("calc", {})])),
+    ("bad_tool_call", "which the request did not offer", ParseResult(calls=[ParsedCall("shell", {"cmd": "ls"})])),
+])
+def test_an_agent_failing_on_the_policys_output_is_the_policys_failure(agent, fault, parsed, monkeypatch):
+    if parsed is not None:  # the fake server's tokens are no tool call: the parser reads what the case needs
+        monkeypatch.setattr(chat_session, "get_parser", lambda name: lambda text: parsed)
+    recs, _ = run_engine(f"{HERE}:{agent}", "model.context_length=256")
+    assert len(recs) == 4 and by_error(recs) == ["AgentPolicyError"] * 4
+    for r in recs:  # kept with the tokens the policy made, trained at reward.failure_score
+        assert fault in r.error and r.num_model_tokens > 0 and r.metrics["policy_faults"] >= 1
+        assert failure_kind(r.error, r.finish_reason) == "policy"
+
+
+# ---------------------------------------------------------------- one episode's tokens are its own
+
+async def one_turn_then_hangs(sample, base_url, api_key):
+    await chat(base_url, api_key, list(sample.messages))
+    await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("prompts", [1, 100])
+def test_gateway_episodes_cut_by_their_deadline_keep_their_own_turns(prompts):
+    """2 and 200 gateway episodes, each timed out by rollout.episode_timeout_s after one turn: each record keeps
+    its own turn (the gateway started in the first episode's context used to file every builder under it)."""
+    recs, _ = run_engine(f"{HERE}:one_turn_then_hangs", "rollout.episode_timeout_s=2", "agent.timeout_s=600",
+                         prompts=prompts)
+    assert len(recs) == 2 * prompts and by_error(recs) == ["EpisodeTimeout"] * (2 * prompts)
+    tok = get_tokenizer("modelzoo")
+    for r in recs:
+        assert r.finish_reason == "timeout" and r.num_turns == 1 and r.num_model_tokens > 0, r.episode_id
+        assert tok.decode(r.prompt_ids).rstrip().endswith(f"q{r.index}<|im_end|>\n<|im_start|>assistant"), r.episode_id
+
+
+def test_agent_env_values_may_be_numbers_and_booleans():
+    cfg = load_config(None, ["agent.command=\"python h.py\"", "agent.env.WORKERS=4", "agent.env.OPENAI_AGENTS_DISABLE_TRACING=true",
+                             "agent.env.RATIO=0.5", "agent.env.NAME=x"])
+    assert cfg.agent.env == {"WORKERS": "4", "OPENAI_AGENTS_DISABLE_TRACING": "true", "RATIO": "0.5", "NAME": "x"}
