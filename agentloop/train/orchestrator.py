@@ -131,6 +131,20 @@ def trainable(r: EpisodeRecord) -> bool:
     return kind == "policy" or (kind == "ok" and r.reward is not None)
 
 
+def reward_means(usable: list[EpisodeRecord]) -> dict[str, float]:
+    """The trained reward's mean over episodes (segment 0), with the policy failures at reward.failure_score and
+    without them: a failure score far from the reward's floor shows as a gap between the two."""
+    eps = [r for r in usable if r.segment == 0 and r.reward is not None]
+    clean = [r for r in eps if r.error is None and not r.metrics.get("reward_errors")
+             and not r.metrics.get("reward_timeouts")]
+
+    out = {}
+    for key, rs in (("train/reward_mean_with_failures", eps), ("train/reward_mean_without_failures", clean)):
+        if rs:  # a step without any such episode has no mean (left out, never NaN)
+            out[key] = sum(float(r.reward) for r in rs) / len(rs)
+    return out
+
+
 def group_key(r: EpisodeRecord) -> int:
     """The GRPO group of a record: its uid (the row index for records without one)."""
     return r.uid if r.uid is not None else r.index
@@ -300,6 +314,7 @@ class Trainer:
         checks = version_check(usable, step, self.staleness)
         checks["train/groups_dropped_infra"] = float(dropped)
         checks["train/episodes_policy_failed"] = float(policy_failed)
+        checks.update(reward_means(usable))
         limit = self.cfg.train.max_version_violations
         if checks["versions/violation_rate"] > limit:
             raise TrainingError(

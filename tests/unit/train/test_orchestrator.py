@@ -125,6 +125,9 @@ def test_a_policy_failure_stays_in_its_group_at_the_failure_score_and_an_infra_f
     assert [r.reward for r in usable] == [1.0, 0.0, 1.0, -1.0, 0.0, -1.0]
     assert timeout.reward is None  # the record as written stays as it was; the learner gets a scored copy
     assert checks["train/groups_dropped_infra"] == 1 and checks["train/episodes_policy_failed"] == 2
+    # the trained mean with the failures at reward.failure_score, and without them
+    assert checks["train/reward_mean_with_failures"] == pytest.approx(0.0)
+    assert checks["train/reward_mean_without_failures"] == pytest.approx(2 / 4)
     prepared = prepare_episodes(usable, AlgoConfig(norm_adv_by_std=False))
     adv = [e.advantage for e in prepared.episodes]
     # group 1 over all four rewards (mean 0.25); group 3's tokenless failure is in its baseline (mean -0.5)

@@ -306,3 +306,13 @@ def test_plan_summary_puts_the_measured_peak_next_to_the_plan(tmp_path):
     assert out["measured"] == {"learner_peak_gib": 40.2, "learner_reserved_gib": 44.0, "server_kv_tokens": [1200]}
     assert preflight.find_key({"a": [{"b": 1}, {"internal_states": [{"max_total_num_tokens": 7}]}]},
                               "max_total_num_tokens") == 7
+
+
+def test_a_failure_score_above_the_rewards_floor_is_said(models, gsm8k, capsys):
+    """gsm8k's reward gives 0 to a wrong (empty) answer: a failure_score of 0.5 rewards failing over answering."""
+    assert main(_dry(models["shape"], gsm8k, "reward.failure_score=0.5")) == 0
+    out = capsys.readouterr().out
+    assert "warn  rewards" in out and "reward.failure_score=0.5 is above the lowest score the reward gives" in out
+    assert "openai/gsm8k: an empty answer scores 0" in out
+    assert main(_dry(models["shape"], gsm8k, "reward.failure_score=0.0")) == 0
+    assert "ok    rewards" in capsys.readouterr().out
