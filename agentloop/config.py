@@ -207,6 +207,9 @@ class RolloutConfig(Section):
     """Episodes in flight at once in this process."""
     episode_timeout_s: float = Field(default=1800.0, gt=0)
     """Wall-time limit of one episode; past it the episode becomes an error record."""
+    cancel_timeout_s: float = Field(default=60.0, gt=0)
+    """How long cancelling the groups in flight (the run's end, a stop) waits for their episodes to finish their
+    clean-up (tool releases, agent processes); a group still running then is given up on, named in its outcome."""
     seed: int = 0
     """Run seed; each episode's sampling seed derives from (seed, the prompt's uid, repeat index, and the
     attempt when a prompt is given out again): the same row twice, or in a later epoch, gets fresh noise."""

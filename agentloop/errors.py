@@ -14,6 +14,7 @@
     └── EpisodeError           an episode-level failure a loop raises on purpose
         ├── PromptTooLongError the prompt does not fit the context
         ├── EpisodeTimeout     the episode ran past rollout.episode_timeout_s (the engine's)
+        ├── ToolLifecycleTimeout  a tool's create ran past tools.lifecycle_timeout_s (the environment's)
         └── AgentError         your agent (openai_agent_loop) crashed, answered badly or made no request
             ├── AgentTimeoutError  it ran past agent.timeout_s
             └── AgentPolicyError   it failed on what the policy produced (a context overflow, a tool call
@@ -112,6 +113,10 @@ class PromptTooLongError(EpisodeError):
 
 class EpisodeTimeout(EpisodeError):
     """The episode ran past `rollout.episode_timeout_s`; the engine keeps the turns it finished."""
+
+
+class ToolLifecycleTimeout(EpisodeError):
+    """A tool's create (or another lifecycle call that must finish) ran past `tools.lifecycle_timeout_s`."""
 
 
 class AgentError(EpisodeError):

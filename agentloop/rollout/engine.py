@@ -384,6 +384,8 @@ class GroupStream:
         self._started: dict[int, int | None] = {}
         self._sizes: dict[int, int] = {}
         self._cancel_reason: dict[int, str] = {}
+        self._abandoned: set[int] = set()
+        """Groups cancel_all gave up on: their task still runs, its outcome is already out."""
         self._done: asyncio.Queue[GroupOutcome] = asyncio.Queue()
         self.stopped: str | None = None
         """Why nothing more can finish (every server went down, the record sink failed): the stream cancels
@@ -447,12 +449,26 @@ class GroupStream:
         return self._done.qsize()
 
     async def cancel_all(self, reason: str) -> list[GroupOutcome]:
-        """Cancel every running group and return every outcome not yet taken (cancelled or complete)."""
+        """Cancel every running group and return every outcome not yet taken (cancelled or complete). Groups
+        whose episodes do not finish their clean-up within `rollout.cancel_timeout_s` (a tool or agent that
+        hangs in it) are given up on: they come out cancelled, saying so, and their tasks are left behind."""
         for uid in list(self._tasks):
             self.cancel(uid, reason)
         out = []
-        while self._tasks:
-            out.append(await self._done.get())
+        limit = self.engine.cfg.rollout.cancel_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                while self._tasks:
+                    out.append(await self._done.get())
+        except TimeoutError:
+            for uid in list(self._tasks):
+                self._abandoned.add(uid)
+                del self._tasks[uid]
+                self._started.pop(uid, None)
+                n = self._sizes[uid]  # counted as cancelled by its task already, when the cancel reached it
+                out.append(GroupOutcome(sample=self._samples[uid], n=n, submitted_version=self._versions[uid],
+                                        cancelled=f"{reason} (its episodes did not stop within "
+                                                  f"rollout.cancel_timeout_s={limit:g}: abandoned)"))
         while not self._done.empty():
             out.append(self._done.get_nowait())
         return out
@@ -493,9 +509,12 @@ class GroupStream:
             if outcome is None:  # cancelled again while its episodes were being cancelled
                 outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
                                        cancelled=self._cancel_reason.get(uid) or self.stopped or "cancelled")
-            del self._tasks[uid]
-            self._started.pop(uid, None)
-            self._done.put_nowait(outcome)
+            if uid in self._abandoned:  # cancel_all already put out its outcome
+                self._abandoned.discard(uid)
+            else:
+                del self._tasks[uid]
+                self._started.pop(uid, None)
+                self._done.put_nowait(outcome)
 
     async def _episode(self, uid: int, sample: Sample) -> list[EpisodeRecord]:
         async with self.engine._slots:

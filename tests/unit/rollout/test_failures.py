@@ -200,3 +200,36 @@ def test_an_environments_timeout_is_not_the_episodes():
     for r in res.records:
         assert r.error.startswith("TimeoutError") and r.finish_reason == "error"
         assert failure_kind(r.error, r.finish_reason) == "infra"
+
+
+class CleanupHangs(AgentLoopBase):
+    """One turn, then waits; cancelled, its clean-up hangs (a tool release or an agent that never returns)."""
+
+    async def run(self, sample, sampling_params):
+        traj = TrajectoryBuilder([1, 2, 3])
+        traj.add_model(await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids,
+                                                          sampling_params=sampling_params))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.Event().wait()
+        return traj.build()
+
+
+@pytest.mark.timeout(60)
+def test_cancelling_groups_whose_clean_up_hangs_meets_its_deadline():
+    async def main():
+        fake = await FakeSGLang().start()
+        try:
+            async with ServerManager([fake.url], cfg().manager) as sm:
+                eng = RolloutEngine(cfg("rollout.cancel_timeout_s=0.5"), sm, None, CleanupHangs, progress=False)
+                stream = eng.stream()
+                stream.submit(samples(1)[0], 2)
+                await fake.wait_until(lambda f: len(f.completed) >= 2)
+                return await asyncio.wait_for(stream.cancel_all("the run ended"), 10), stream
+        finally:
+            await fake.stop()
+
+    outs, stream = asyncio.run(main())
+    assert len(outs) == 1 and "did not stop within rollout.cancel_timeout_s=0.5: abandoned" in outs[0].cancelled
+    assert stream.running == 0 and stream.counts["cancelled"] == 1
