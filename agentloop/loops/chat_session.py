@@ -241,7 +241,7 @@ class ChatSession:
                     self.m["invalid_tool_calls"] += 1
                     self.policy_faults.append(problem)
             if parsed.calls:
-                prefix = "call_" if req.api == "openai" else "toolu_"
+                prefix = "toolu_" if req.api == "anthropic" else "call_"
                 calls = [ToolCall(f"{prefix}{uuid.uuid4().hex[:24]}", c.name,
                                   json.dumps(c.arguments, ensure_ascii=False)) for c in parsed.calls]
                 content = parsed.content
@@ -250,7 +250,7 @@ class ChatSession:
             if stop_seq is not None:  # APIs leave the matched stop string out of the text
                 content = raw[:len(raw) - len(stop_seq)]
         api_finish = "tool_calls" if calls else ("length" if finish == "length" else "stop")
-        cid = ("chatcmpl-" if req.api == "openai" else "msg_") + uuid.uuid4().hex[:24]
+        cid = {"openai": "chatcmpl-", "responses": "resp_"}.get(req.api, "msg_") + uuid.uuid4().hex[:24]
         return Completion(content=content, tool_calls=calls, finish=api_finish, prompt_tokens=prompt_tokens,
                           completion_tokens=completion_tokens, id=cid, stop_sequence=stop_seq)
 
