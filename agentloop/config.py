@@ -207,6 +207,9 @@ class RolloutConfig(Section):
     """Episodes in flight at once in this process."""
     episode_timeout_s: float = Field(default=1800.0, gt=0)
     """Wall-time limit of one episode; past it the episode becomes an error record."""
+    max_error_rate: float = Field(default=0.5, ge=0, le=1)
+    """`agentloop rollout` exits 1 (naming the error kinds) when more than this share of its episodes are error
+    records; 1.0 never fails on errors."""
     cancel_timeout_s: float = Field(default=60.0, gt=0)
     """How long cancelling the groups in flight (the run's end, a stop) waits for their episodes to finish their
     clean-up (tool releases, agent processes); a group still running then is given up on, named in its outcome."""

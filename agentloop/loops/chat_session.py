@@ -34,9 +34,10 @@ context is answered 400 context_length_exceeded. A failed generate call (servers
 is answered 503 and remembered in `failure`: the loop fails the episode with it.
 
 Policy faults. What the policy did that a harness may fail on is remembered in `policy_faults`: a
-conversation that overflowed the context, a tool call the parser could not read, a call of a tool the
-request did not offer or with arguments its schema refuses. When the agent then fails, the loop makes
-the episode the policy's failure (AgentPolicyError, with its tokens) rather than the infrastructure's.
+conversation that overflowed the context, a turn cut at its token cap, a tool call the parser could not
+read, a call of a tool the request did not offer or with arguments its schema refuses. When the agent then
+fails, the loop makes the episode the policy's failure (AgentPolicyError, with its tokens) rather than the
+infrastructure's.
 
 Builders. Each segment's TrajectoryBuilder is appended to `watch` (the engine's list of the episode's
 builders), passed explicitly: the gateway's handlers run in the gateway's context, not the episode's.
@@ -185,6 +186,8 @@ class ChatSession:
         self.calls += 1
         self.m["turns"] += 1
         self.m["tool_calls_made"] += len(completion.tool_calls)
+        if out.finish_reason == "length":  # SDKs refuse a cut turn (the Responses API's status "incomplete")
+            self.policy_faults.append(f"a turn cut at its token cap ({len(out.token_ids)} tokens)")
         if out.finish_reason == "abort":
             self.aborted = True
             raise GatewayError(503, "the inference server aborted this generation", kind="overloaded_error")

@@ -509,7 +509,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                       force: bool = False, model_path: Path | None = None,
                       backend: Backend | None = None) -> dict[str, Any]:
     """The run; `data` as `load_data(cfg)` made it (loaded here when None). `force`: go on from a checkpoint
-    whose data position was stored for other training rows (`agentloop train --force`). `model_path`: as
+    whose data position was stored for other training rows (`agentloop train --force-data`). `model_path`: as
     the preflight resolved it (None: resolved here). `backend`: where the servers and the learner run (default:
     this host, agentloop.train.backend.LocalBackend)."""
     loop_cls = get_agent_loop(cfg.rollout.loop)
@@ -558,7 +558,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
                                            force=force)
             if not cursor.matches(position):
-                print(f"agentloop train: --force: the training rows ({data.train_source}) differ from those the "
+                print(f"agentloop train: --force-data: the training rows ({data.train_source}) differ from those the "
                       "checkpoint's data position was stored for; going on from that position over the new rows",
                       file=sys.stderr, flush=True)
             recover_step_rows(log, first, learner, run_dir)

@@ -160,7 +160,8 @@ def test_without_a_reward_the_last_assistant_message_is_scored(tmp_path):
     ("malformed", "AgentError", "HTTP 400: 'messages' must be a non-empty list"),
 ])
 def test_failing_agents_become_error_records(agent, error, text):
-    recs, _ = run_engine(f"{HERE}:{agent}", "agent.timeout_s=0.5")
+    # turns the model ended itself: no policy fault, so a failing harness is the infrastructure's failure
+    recs, _ = run_engine(f"{HERE}:{agent}", "agent.timeout_s=0.5", fake_kw={"finish": "stop"})
     assert len(recs) == 4 and by_error(recs) == [error] * 4
     assert all(text in r.error and r.finish_reason == "error" and r.reward is None for r in recs)
     assert all(failure_kind(r.error, r.finish_reason) == "infra" for r in recs)
@@ -215,7 +216,7 @@ def test_command_harness_reward_from_its_last_stdout_line(tmp_path, wrap):
     ("chat(sample['messages'])\nresult({'reward': 'high'})\n", "AgentError", "must be a finite number"),
 ])
 def test_command_harness_that_crashes_or_answers_badly(tmp_path, body, error, text):
-    recs, _ = run_engine(None, command=_script(tmp_path, body))
+    recs, _ = run_engine(None, command=_script(tmp_path, body), fake_kw={"finish": "stop"})
     assert by_error(recs) == [error] * 4 and all(text in r.error for r in recs)
 
 
@@ -330,6 +331,7 @@ CALC = {"type": "function", "function": {"name": "calc", "description": "d", "pa
 
 
 @pytest.mark.parametrize("agent,fault,parsed", [
+    ("raises", "a turn cut at its token cap (6 tokens)", None),
     ("overflows", "overflowed the context", None),
     ("bad_tool_call", "could not be parsed", ParseResult(errors=["malformed JSON in tool call"])),
     ("bad_tool_call", "without its required argument(s) ['expression']",
@@ -339,7 +341,9 @@ CALC = {"type": "function", "function": {"name": "calc", "description": "d", "pa
 def test_an_agent_failing_on_the_policys_output_is_the_policys_failure(agent, fault, parsed, monkeypatch):
     if parsed is not None:  # the fake server's tokens are no tool call: the parser reads what the case needs
         monkeypatch.setattr(chat_session, "get_parser", lambda name: lambda text: parsed)
-    recs, _ = run_engine(f"{HERE}:{agent}", "model.context_length=256")
+    # the fake's turns end at the token cap unless told otherwise: only the "raises" case keeps that fault
+    recs, _ = run_engine(f"{HERE}:{agent}", "model.context_length=256",
+                         fake_kw=None if agent == "raises" else {"finish": "stop"})
     assert len(recs) == 4 and by_error(recs) == ["AgentPolicyError"] * 4
     for r in recs:  # kept with the tokens the policy made, trained at reward.failure_score
         assert fault in r.error and r.num_model_tokens > 0 and r.metrics["policy_faults"] >= 1
