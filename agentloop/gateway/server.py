@@ -110,7 +110,8 @@ class Gateway:
         The server is set up in a context of its own: its accept loop and every handler task copy the context
         current when it starts listening, and the first episode's (its trajectory list, its deadline) must
         not become every later request's. Each session's backend is told its episode explicitly instead."""
-        return await asyncio.create_task(self._start(), name="gateway-start", context=contextvars.Context())
+        # a task made inside an empty context copies that one (create_task's context= is Python 3.11+)
+        return await contextvars.Context().run(asyncio.ensure_future, self._start())
 
     async def _start(self) -> "Gateway":
         async with self._start_lock:

@@ -160,7 +160,7 @@ class ToolAgentLoop(AgentLoopBase):
             for name, tool in tools.items():
                 try:
                     instances[name] = await asyncio.wait_for(tool.create(sample, **create_kwargs[name]), life)
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     raise ToolLifecycleTimeout(f"tool {name!r}: create ran past tools.lifecycle_timeout_s="
                                                f"{life:g}") from None
             for turn in range(cfg.max_turns):
@@ -203,7 +203,7 @@ class ToolAgentLoop(AgentLoopBase):
             for name, tool in tools.items():
                 try:
                     r = await asyncio.wait_for(tool.reward(instances[name]), life)
-                except TimeoutError:  # no tool reward, counted: the data_source's reward still scores
+                except asyncio.TimeoutError:  # no tool reward, counted: the data_source's reward still scores
                     c.add("lifecycle_timeouts")
                     logger.warning("tool %r reward ran past tools.lifecycle_timeout_s=%g in episode %s", name, life,
                                    sample.episode_id)
@@ -219,7 +219,7 @@ class ToolAgentLoop(AgentLoopBase):
                 try:
                     # a deadline even here: a hanging release must not hold an episode its timeout cut
                     await asyncio.wait_for(tools[name].release(inst), cfg.lifecycle_timeout_s)
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     c.add("lifecycle_timeouts")
                     logger.warning("tool %r release ran past tools.lifecycle_timeout_s=%g in episode %s (abandoned)",
                                    name, cfg.lifecycle_timeout_s, sample.episode_id)

@@ -52,6 +52,41 @@ from agentloop.util.runtime import freeze_heap
 RecordSink = Callable[[EpisodeRecord], Any]
 
 
+class Deadline:
+    """`async with Deadline(s)`: cancels the current task after `s` seconds and raises TimeoutError out of the
+    block; `expired()` says whether it was this deadline (and not a TimeoutError from inside) that fired.
+    asyncio.timeout does this from Python 3.11 on; this one runs on 3.10 too."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._fired = False
+        self._task: asyncio.Task | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def expired(self) -> bool:
+        return self._fired
+
+    def _fire(self) -> None:
+        self._fired = True
+        assert self._task is not None
+        self._task.cancel()
+
+    async def __aenter__(self) -> "Deadline":
+        self._task = asyncio.current_task()
+        self._handle = asyncio.get_running_loop().call_later(self.seconds, self._fire)
+        return self
+
+    async def __aexit__(self, et: Any, e: Any, tb: Any) -> bool:
+        assert self._handle is not None and self._task is not None
+        self._handle.cancel()
+        if self._fired and et is asyncio.CancelledError:
+            uncancel = getattr(self._task, "uncancel", None)  # 3.11+: another cancel still pending wins
+            if uncancel is not None and uncancel() > 0:
+                return False
+            raise TimeoutError(f"the deadline of {self.seconds:g}s passed") from e
+        return False
+
+
 class RolloutResult(BaseModel):
     """What one `RolloutEngine.run` produced."""
 
@@ -206,7 +241,7 @@ class RolloutEngine:
         t0 = time.monotonic()
         sp = self.sampling_params(sample)
         built = watch_trajectories()  # this episode's task only: each episode runs in its own task
-        deadline = asyncio.timeout(self.cfg.rollout.episode_timeout_s)
+        deadline = Deadline(self.cfg.rollout.episode_timeout_s)
         try:
             loop = self.loop_cls(server_manager=self.sm, tokenizer=self.tokenizer, config=self.cfg,
                                  **self.loop_kwargs)
@@ -218,7 +253,7 @@ class RolloutEngine:
                                 "not AgentLoopOutput")
         except AllServersDownError:
             raise
-        except TimeoutError as e:
+        except (TimeoutError, asyncio.TimeoutError) as e:
             # only the episode's own deadline is the policy's timeout; a TimeoutError an environment raised
             # inside the loop (a socket, an HTTP client) is that environment's failure (infra)
             if deadline.expired():
@@ -456,11 +491,14 @@ class GroupStream:
             self.cancel(uid, reason)
         out = []
         limit = self.engine.cfg.rollout.cancel_timeout_s
+
+        async def collect() -> None:
+            while self._tasks:
+                out.append(await self._done.get())
+
         try:
-            async with asyncio.timeout(limit):
-                while self._tasks:
-                    out.append(await self._done.get())
-        except TimeoutError:
+            await asyncio.wait_for(collect(), limit)
+        except asyncio.TimeoutError:
             for uid in list(self._tasks):
                 self._abandoned.add(uid)
                 del self._tasks[uid]
