@@ -199,9 +199,15 @@ BWRAP = "bwrap --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp --unshare-pid 
 def test_command_harness_reward_from_its_last_stdout_line(tmp_path, wrap):
     if wrap and not shutil.which("bwrap"):
         pytest.skip("bwrap is not installed")
-    # the interpreter's environment bound too: a checkout under /tmp is hidden by the wrapper's tmpfs
-    wrapper = f"{BWRAP}--ro-bind {sys.prefix} {sys.prefix} --ro-bind {tmp_path} {tmp_path} " if wrap else ""
-    cmd = wrapper + _script(tmp_path, "answer = chat(sample['messages'])\n"
+    # the interpreter's environment bound too: a checkout under /tmp is hidden by the wrapper's tmpfs; the run
+    # directory (answers in its rollouts) hidden behind a tmpfs of its own, as the README's example hides it
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "rollouts.jsonl").write_text('{"ground_truth": "42"}\n')
+    wrapper = (f"{BWRAP}--ro-bind {sys.prefix} {sys.prefix} --ro-bind {tmp_path} {tmp_path} --tmpfs {runs} "
+               if wrap else "")
+    cmd = wrapper + _script(tmp_path, f"assert os.path.exists({str(runs / 'rollouts.jsonl')!r}) == {not wrap}\n"
+                            "answer = chat(sample['messages'])\n"
                             "assert os.environ['ANTHROPIC_BASE_URL'] + '/v1' == os.environ['OPENAI_BASE_URL']\n"
                             "assert os.environ['AGENTLOOP_EPISODE_ID'] == sample['episode_id']\n"
                             "print('working...')\n"
