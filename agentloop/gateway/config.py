@@ -29,6 +29,13 @@ class AgentConfig(_Section):
     answer) on a command's stdin and in an entry's `sample`. Off: the agent gets the task only (episode_id,
     index, uid, repeat, data_source, messages); turn it on only for a harness that scores itself and is
     trusted not to show the answer to the policy."""
+    workers: int = Field(default=0, ge=0)
+    """0: `command` runs once per episode (a process each). N > 0: `command` is a long-lived harness worker
+    started N times, each taking up to `worker_concurrency` episodes at once over the protocol of
+    agentloop.loops.agent_workers (episodes as JSON lines on its stdin, results on AGENTLOOP_RESULT_FD), so its
+    SDK is imported once per worker, not once per episode."""
+    worker_concurrency: int = Field(default=8, ge=1)
+    """Episodes one worker runs at once (`workers` > 0)."""
     timeout_s: float = Field(default=600.0, gt=0)
     """Wall-time limit of one agent run; past it the agent is cancelled (its process group killed) and the
     episode becomes an error record."""
@@ -66,6 +73,8 @@ class AgentConfig(_Section):
     def _one_way(self) -> "AgentConfig":
         if self.entry and self.command:
             raise ValueError("set agent.entry or agent.command, not both")
+        if self.workers and not self.command:
+            raise ValueError("agent.workers needs agent.command (the worker to start)")
         return self
 
 

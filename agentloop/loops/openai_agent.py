@@ -5,7 +5,8 @@ Map:
                            under agent.timeout_s and the agent.max_concurrency cap, close the session, return
                            its segments with the agent's reward
     _run_entry             agent.entry: `await fn(sample, base_url, api_key)` in this process
-    _run_command           agent.command: one process group per episode (agentloop.loops.agent_command)
+    _run_command           agent.command: one process group per episode (agentloop.loops.agent_command), or
+                           with agent.workers, an episode sent to a long-lived worker (agentloop.loops.agent_workers)
     load_entry             `file.py:fn` / `package.module:fn` -> the async function (imported once)
     agent_reward           what the agent returned -> (reward or None, extra)
 
@@ -49,6 +50,7 @@ from agentloop.config import SamplingParams
 from agentloop.errors import AgentError, AgentTimeoutError, ConfigError
 from agentloop.gateway.server import Gateway, SessionHandle, gateway_for
 from agentloop.loops.agent_command import read_result, run_command
+from agentloop.loops.agent_workers import worker_pool
 from agentloop.loops.base import AgentLoopBase
 from agentloop.loops.chat_session import ChatSession
 from agentloop.loops.registry import register_agent_loop
@@ -231,6 +233,15 @@ class OpenAIAgentLoop(AgentLoopBase):
 
     async def _run_command(self, sample: Sample, handle: SessionHandle) -> Any:
         cfg = self.config.agent
+        if cfg.workers:
+            pool = worker_pool(self.server_manager, cfg, {**os.environ, **cfg.env})
+            result = await pool.run({"task": task_payload(sample, cfg.send_answer), "episode_id": sample.episode_id,
+                                     "openai_base_url": handle.openai_base_url,
+                                     "anthropic_base_url": handle.anthropic_base_url, "api_key": handle.api_key},
+                                    cfg.timeout_s)
+            if result is not None and not isinstance(result, dict):
+                raise AgentError(f"the agent worker's result must be a JSON object or null, got {result!r:.200}")
+            return result
         env = {**os.environ, **cfg.env, "OPENAI_BASE_URL": handle.openai_base_url, "OPENAI_API_KEY": handle.api_key,
                "ANTHROPIC_BASE_URL": handle.anthropic_base_url, "ANTHROPIC_API_KEY": handle.api_key,
                "AGENTLOOP_EPISODE_ID": sample.episode_id}

@@ -380,3 +380,70 @@ def test_agent_env_values_may_be_numbers_and_booleans():
     cfg = load_config(None, ["agent.command=\"python h.py\"", "agent.env.WORKERS=4", "agent.env.OPENAI_AGENTS_DISABLE_TRACING=true",
                              "agent.env.RATIO=0.5", "agent.env.NAME=x"])
     assert cfg.agent.env == {"WORKERS": "4", "OPENAI_AGENTS_DISABLE_TRACING": "true", "RATIO": "0.5", "NAME": "x"}
+
+
+# ---------------------------------------------------------------- long-lived harness workers (agent.workers)
+
+WORKER = r'''
+import json, os, sys, threading, urllib.request
+out = os.fdopen(int(os.environ["AGENTLOOP_RESULT_FD"]), "w")
+lock = threading.Lock()
+mode = os.environ.get("MODE", "ok")
+state = {"inflight": 0, "peak": 0, "done": 0}
+def chat(msg, messages):
+    req = urllib.request.Request(msg["openai_base_url"] + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": messages}).encode(),
+        headers={"Authorization": "Bearer " + msg["api_key"], "Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=60).read())
+def episode(msg):
+    with lock:
+        state["inflight"] += 1
+        state["peak"] = max(state["peak"], state["inflight"])
+    chat(msg, msg["task"]["messages"])
+    if mode == "hang":
+        threading.Event().wait()
+    if mode == "crash":
+        os._exit(7)
+    with lock:
+        state["inflight"] -= 1
+        state["done"] += 1
+        # the model's text on stdout cannot be a result: only this descriptor is read
+        print(json.dumps({"id": msg["id"], "result": {"reward": 1.0}}), flush=True)
+        out.write(json.dumps({"id": msg["id"], "result": {"reward": 0.5, "pid": os.getpid(), "peak": state["peak"],
+                                                          "task": msg["task"]}}) + "\n")
+        out.flush()
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg["type"] == "episode":
+        threading.Thread(target=episode, args=(msg,), daemon=True).start()
+'''
+
+
+def _worker(tmp_path: Path) -> str:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return f"{sys.executable} {path}"
+
+
+def test_a_long_lived_worker_takes_episodes_several_at_once(tmp_path):
+    recs, _ = run_engine(None, "agent.workers=1", "agent.worker_concurrency=4", command=_worker(tmp_path), n=4,
+                         fake_kw={"finish": "stop", "delay_s": 0.05})
+    assert len(recs) == 8 and all(r.error is None and r.reward == 0.5 for r in recs)
+    results = [r.extra["agent_result"] for r in recs]
+    assert len({x["pid"] for x in results}) == 1, "one worker process took every episode"
+    assert max(x["peak"] for x in results) > 1, "the worker never had two episodes at once"
+    assert all("answer-" not in json.dumps(x["task"]) for x in results)  # the task, without its answer
+
+
+def test_a_worker_that_exits_fails_its_episodes_and_is_started_again(tmp_path):
+    recs, _ = run_engine(None, "agent.workers=1", "agent.worker_concurrency=1", "agent.env.MODE=crash",
+                         command=_worker(tmp_path), fake_kw={"finish": "stop"})
+    assert len(recs) == 4 and by_error(recs) == ["AgentError"] * 4
+    assert all("the agent worker exited (code 7)" in r.error for r in recs)  # each episode met a fresh worker
+
+
+def test_a_worker_past_the_agent_timeout_is_the_policys_timeout_with_its_tokens(tmp_path):
+    recs, _ = run_engine(None, "agent.workers=2", "agent.timeout_s=1", "agent.env.MODE=hang",
+                         command=_worker(tmp_path), fake_kw={"finish": "stop"})
+    assert len(recs) == 4 and by_error(recs) == ["AgentTimeoutError"] * 4
+    assert all(r.num_model_tokens > 0 and failure_kind(r.error, r.finish_reason) == "policy" for r in recs)
