@@ -113,7 +113,9 @@ async def run_command(command: str, *, stdin: bytes, env: dict[str, str], cwd: s
             proc.stdin.write(stdin)
             await proc.stdin.drain()
             proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):  # it exited or closed stdin without reading it all
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            # it exited or closed stdin without reading it all (uvloop says so with a RuntimeError: "the handler
+            # is closed")
             pass
         return await proc.wait()
 

@@ -171,8 +171,8 @@ class WorkerPool:
         try:
             w.proc.stdin.write(json.dumps(msg).encode() + b"\n")
             await asyncio.wait_for(w.proc.stdin.drain(), _KILL_WAIT_S)
-        except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
-            pass  # it is exiting: its reader fails what is in flight
+        except (BrokenPipeError, ConnectionResetError, RuntimeError, asyncio.TimeoutError):
+            pass  # it is exiting (uvloop: RuntimeError, "the handler is closed"): its reader fails what is in flight
 
     async def close(self) -> None:
         """Close every worker's stdin (its cue to exit), then kill its process group."""
