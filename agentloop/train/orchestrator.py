@@ -80,6 +80,7 @@ from agentloop.train.cursor import DataCursor
 from agentloop.train.handle import LearnerError, LearnerHandle, UpdateResult
 from agentloop.train.model_support import require_model_support
 from agentloop.train.preflight import Preflight, plan_summary, run_preflight, say_lines, served_kv_tokens
+from agentloop.train.probe import check_served_logprobs
 from agentloop.train.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.served_model import align_served_weights, check_served_model
 from agentloop.train.weight_transport import ServerHalf, Stage, same_path, server_half
@@ -573,6 +574,11 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                               stage=lambda w: pool.stage(w.path, w.host), streams=streams)
             sm.set_resync(trainer.weights.resync)
             await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
+            if first == 1 and info.probe and cfg.train.server_logprob_tol is not None:
+                # what /model_info cannot tell (other weights on another host): the servers against the learner
+                await check_served_logprobs(sm, info.probe, cfg.train.server_logprob_tol,
+                                            say=lambda line: print(f"agentloop train: {line}", file=sys.stderr,
+                                                                   flush=True))
             sm.expect_version(0)
             if first > 1:
                 await trainer.resume_weights(first)
