@@ -447,3 +447,40 @@ def test_a_worker_past_the_agent_timeout_is_the_policys_timeout_with_its_tokens(
                          command=_worker(tmp_path), fake_kw={"finish": "stop"})
     assert len(recs) == 4 and by_error(recs) == ["AgentTimeoutError"] * 4
     assert all(r.num_model_tokens > 0 and failure_kind(r.error, r.finish_reason) == "policy" for r in recs)
+
+
+# ---------------------------------------------------------------- the Responses API through the engine
+
+async def responses_agent(sample, base_url, api_key):
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        system = sample.messages[0]["content"]
+        items = [{"role": "user", "content": sample.messages[1]["content"]}]
+        tools = [{"type": "function", "name": "calc", "description": "d", "strict": True,
+                  "parameters": CALC["function"]["parameters"]}]
+        first = await client.responses.create(model="m", instructions=system, input=items, tools=tools)
+        calls = [o for o in first.output if o.type == "function_call"]
+        items += [o.model_dump(exclude_none=True) for o in first.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "42"} for c in calls]
+        second = await client.responses.create(model="m", instructions=system, input=items, tools=tools, stream=True)
+        async for _ in second:
+            pass
+    return {"reward": 0.5, "calls": len(calls)}
+
+
+def test_a_responses_api_agent_extends_one_exact_segment(monkeypatch):
+    parsed = ParseResult(calls=[ParsedCall("calc", {"expression": "6 * 7"})], content="let me see")
+
+    def parser(name):  # per session: its first turn is a calculator call, its second an answer
+        turns = iter([parsed])
+        return lambda text: next(turns, ParseResult())
+
+    monkeypatch.setattr(chat_session, "get_parser", parser)
+    recs, fake = run_engine(f"{HERE}:responses_agent", fake_kw={"finish": "stop"})
+    assert len(recs) == 4 and all(r.error is None and r.reward == 0.5 for r in recs), [r.error for r in recs]
+    for r in recs:  # the harness sent the output items back: the second request extended the first's segment
+        assert r.segment == 0 and r.metrics["segments"] == 1 and r.num_turns == 2
+        assert r.extra["agent_result"] == {"calls": 1} and r.metrics["tool_calls"] == 1
+        runs = [r.response_mask[0]] + [b for a, b in zip(r.response_mask, r.response_mask[1:]) if a != b]
+        assert runs == [1, 0, 1]
