@@ -141,7 +141,8 @@ def test_streaming_the_anthropic_route_and_a_command_give_the_same_records(warm,
         "    messages.append(message.model_dump(exclude_none=True))\n    if not message.tool_calls:\n        break\n"
         "    for call in message.tool_calls:\n"
         "        messages.append({'role': 'tool', 'tool_call_id': call.id, 'content': calculator(call.function.arguments)})\n"
-        "print(json.dumps({'reward': 0.5, 'turns': sum(m['role'] == 'assistant' for m in messages)}))\n")
+        "import os\nwith os.fdopen(int(os.environ['AGENTLOOP_RESULT_FD']), 'w') as out:  # the result channel\n"
+        "    out.write(json.dumps({'reward': 0.5, 'turns': sum(m['role'] == 'assistant' for m in messages)}))\n")
     recs = _rollout(url, model, {"sdk": ("openai_agent_loop", f"{EXAMPLE}:run"),
                                  "stream": ("openai_agent_loop", f"{AGENTS}:streaming_agent"),
                                  "anthropic": ("openai_agent_loop", f"{AGENTS}:anthropic_agent")}, 4)
