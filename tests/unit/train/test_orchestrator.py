@@ -102,6 +102,8 @@ def test_failure_kinds():
     assert failure_kind(None, "abort") == "infra"  # a server abort the manager did not continue
     assert failure_kind("AgentTimeoutError: the agent ran past agent.timeout_s=5", "error") == "policy"
     assert failure_kind("AgentError: the command exited with 1", "error") == "infra"
+    # the agent failed after the gateway saw the policy overflow the context or make an unusable tool call
+    assert failure_kind("AgentPolicyError: the agent raised (after the policy's context overflow)", "error") == "policy"
     for err in ("RetryBudgetExhausted: generate failed after 5 attempts", "AllServersDownError: all down",
                 "ValueError: BadLoop returned extra['x'] is a set, not JSON data", "RewardError: no reward registered",
                 "PromptTooLongError: prompt of 9000 tokens", "TimeoutError: a tool's own timeout"):
