@@ -50,8 +50,9 @@ class AgentConfig(_Section):
     """New-token cap of one model request (None: sampling.max_new_tokens). A request's own max_tokens may
     only lower it; the model's context always bounds it."""
     output_limit_bytes: int = Field(default=1 << 20, ge=1024)
-    """A `command`'s stdout and stderr are kept up to this many trailing bytes each (the last line is the
-    result; the stderr tail goes into the error message)."""
+    """A `command`'s stdout and stderr are kept up to this many trailing bytes each (the stderr tail goes into the
+    error message; stdout is never read for the result), and its result on AGENTLOOP_RESULT_FD may be this long
+    at most (longer: an AgentError)."""
 
     @field_validator("env", mode="before")
     @classmethod
