@@ -68,7 +68,7 @@ def test_the_run_goes_on_with_its_saved_config_plus_the_values_given_now(run, ca
     assert (run_dir / "config.prev.yaml").read_text() == saved
 
 
-def test_a_changed_model_data_algo_or_learner_field_is_refused_naming_each_key(run, tmp_path, capsys):
+def test_a_changed_setting_that_carries_state_is_refused_naming_each_key_and_its_flag(run, tmp_path, capsys):
     run_dir, first = run
     saved = (run_dir / "config.yaml").read_text()
     other = own_rows(tmp_path / "other.jsonl", 40)
