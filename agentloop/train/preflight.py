@@ -245,7 +245,7 @@ def check_rewards(cfg: Config, data: Any) -> Check:
                      bad + ["register one (a plugin's register_reward), set reward.default to a registered reward, "
                             "or reward.custom to path/file.py:function; registered: "
                             + ", ".join(sorted(_registered()))])
-    above = [f"{ds}: an empty answer scores {floor:g}" for ds, floor in reward_floors(cfg, list(first.values())).items()
+    above = [f"{ds}: the reward's floor is {floor:g}" for ds, floor in reward_floors(cfg, list(first.values())).items()
              if cfg.reward.failure_score > floor]
     if above:
         return Check("rewards", "warn", "; ".join(ok) + f"; reward.failure_score={cfg.reward.failure_score:g} is above "
@@ -260,9 +260,11 @@ _FLOOR_PROBE_S = 30.0
 
 
 def reward_floors(cfg: Config, samples: list[Sample]) -> dict[str, float]:
-    """data_source -> the score its reward gives an empty answer on its first row (the floor a failure score
-    is compared with); a reward that raises or does not answer in time is left out. Runs in a thread of its
-    own with its own event loop (the caller may be inside one)."""
+    """data_source -> the lowest score its reward gives (the floor a failure score is compared with): the score a
+    built-in or registered reward gives an empty answer on the data_source's first row; for `reward.custom`, the
+    function's own `floor` attribute (`compute_score.floor = -1.0`), never a call (a custom reward may count its
+    calls, cost money or be slow). A reward that raises, does not answer in time or declares nothing is left out.
+    Runs in a thread of its own with its own event loop (the caller may be inside one)."""
     import concurrent.futures
 
     from agentloop.rollout.scorer import Scorer
@@ -272,6 +274,11 @@ def reward_floors(cfg: Config, samples: list[Sample]) -> dict[str, float]:
         out: dict[str, float] = {}
         try:
             for s in samples:
+                if scorer.custom is not None:
+                    floor = getattr(scorer.custom, "floor", None)
+                    if isinstance(floor, (int, float)) and not isinstance(floor, bool):
+                        out[s.data_source] = float(floor)
+                    continue
                 try:
                     out[s.data_source] = float((await scorer.score(s, ""))[0])
                 except Exception:  # noqa: BLE001 - a reward that cannot score an empty answer has no floor to say
