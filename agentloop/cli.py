@@ -4,10 +4,11 @@
                   no --config: the main job (agentloop/presets/rollout_main.yaml): the shipped warm-started
                   tiny model on the calculator set with the calculator tool; --random-model: the random
                   tiny model on the arithmetic set (the plumbing run, configs/rollout.yaml)
-    agentloop train [--config F] [same flags] [--val-data FILE] [--force] [--dry-run]
+    agentloop train [--config F] [same flags] [--val-data FILE] [--force-settings] [--force-data] [--dry-run]
                   GRPO (embedded default: agentloop/presets/train_tiny.yaml); --data trains on a file (validation:
                   --val-data, else a slice held out of it); --run-dir of an existing run resumes it with its
-                  saved config.yaml plus the values given now (model, data, algo.*, learner.* changes need --force)
+                  saved config.yaml plus the values given now (a changed model or optimizer-state setting needs
+                  --force-settings, changed rows or rollout.seed --force-data; --force is both)
                   --dry-run: the preflight every run makes (data, rewards, template, prompts, model, tools, GPU
                   memory plan), nothing started
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C] [--bench-episodes N]
@@ -133,7 +134,8 @@ def build_config(args: argparse.Namespace) -> Any:
         from agentloop.train.resume import resume_config
 
         cfg, changes = resume_config(resumed, args.config, list(args.overrides) + _flag_overrides(args),
-                                     force=args.force)
+                                     force=args.force, force_settings=args.force_settings,
+                                     force_data=args.force_data)
         said = "; changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes) if changes else ""
         print(f"agentloop train: {resumed} holds a run: resuming it with its config.yaml{said}",
               file=sys.stderr, flush=True)
@@ -174,7 +176,9 @@ def make_parser() -> argparse.ArgumentParser:
                                    "0: none); a data file is never validated on a built-in set. "
                                    "--run-dir of an existing run (one holding config.yaml) resumes it: its saved "
                                    "config.yaml plus only the values given now (--config file, flags, key=value); "
-                                   "a changed model, data file or algo.*/learner.* field is refused unless --force.")
+                                   "a changed setting that carries state is refused unless --force-settings (the "
+                                   "model, learner.betas/adam_eps/dtype, algo.kl_ctrl*) or --force-data (the rows, "
+                                   "rollout.seed).")
     _common(t)
     _val_data(t)
     t.add_argument("--quiet", action="store_true")
@@ -183,10 +187,14 @@ def make_parser() -> argparse.ArgumentParser:
                         "per data_source, the chat template, the prompts' lengths, the model, the tools, the GPU "
                         "memory plan (plan for GPUs this machine lacks with cluster.gpu_memory_gib=G "
                         "cluster.num_gpus=N); exit 2 naming what is wrong")
-    t.add_argument("--force", action="store_true",
-                   help="resume an existing --run-dir although the model, the data or an algo.*/learner.* field "
-                        "changed (the old config is kept as config.prev.yaml), or although the training rows "
-                        "differ from those the checkpoint's data position was stored for")
+    t.add_argument("--force-settings", action="store_true",
+                   help="resume an existing --run-dir although a setting its checkpoint's state was made with changed "
+                        "(the model, learner.betas/adam_eps/dtype, algo.kl_ctrl*); the old config is kept as "
+                        "config.prev.yaml")
+    t.add_argument("--force-data", action="store_true",
+                   help="resume an existing --run-dir although the training/validation rows or rollout.seed changed, "
+                        "or the rows differ from those the checkpoint's data position was stored for")
+    t.add_argument("--force", action="store_true", help="both --force-settings and --force-data")
     ln = sub.add_parser("learner-node", help="one more node of a learner spanning hosts without Ray "
                         "(learner.nnodes > 1): start this host's ranks, which join the run's torchrun rendezvous",
                         description="Run on each learner host but the first, once `agentloop train` with "
@@ -326,7 +334,7 @@ def make_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("config", help="print the resolved config")
     _common(cp)
     _val_data(cp)
-    cp.set_defaults(force=False)
+    cp.set_defaults(force=False, force_settings=False, force_data=False)
     return parser
 
 
@@ -564,6 +572,14 @@ def _dispatch(args: argparse.Namespace) -> int:
                   f"{result.summary.get('not_started', 0)} never started; records: {run_dir / 'records.jsonl'}",
                   file=sys.stderr)
             return 1
+        episodes, errors = result.summary.get("episodes", 0), result.summary.get("errors", 0)
+        if episodes and errors / episodes > cfg.rollout.max_error_rate:
+            kinds = ", ".join(f"{k} x{n}" for k, n in sorted(result.summary.get("errors_by_type", {}).items(),
+                                                              key=lambda kv: -kv[1]))
+            print(f"agentloop rollout: {errors} of {episodes} episodes are error records, above "
+                  f"rollout.max_error_rate={cfg.rollout.max_error_rate:g}: {kinds}; records: "
+                  f"{run_dir / 'records.jsonl'}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "train" and args.dry_run:
         from agentloop.train.orchestrator import dry_run
@@ -573,7 +589,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from agentloop.train.orchestrator import run_train
 
-        run_dir, final = run_train(cfg, force=args.force, backend=_backend(cfg))
+        run_dir, final = run_train(cfg, force=args.force or args.force_data, backend=_backend(cfg))
         m = final.get("metrics", {})
         print(f"agentloop train: done, run dir {run_dir}")
         for k in ("train/reward", "train/accuracy", "train/tool_call_rate", "val/reward", "val/accuracy"):

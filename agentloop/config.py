@@ -223,6 +223,12 @@ class RolloutConfig(Section):
     """Episodes in flight at once in this process."""
     episode_timeout_s: float = Field(default=1800.0, gt=0)
     """Wall-time limit of one episode; past it the episode becomes an error record."""
+    max_error_rate: float = Field(default=0.5, ge=0, le=1)
+    """`agentloop rollout` exits 1 (naming the error kinds) when more than this share of its episodes are error
+    records; 1.0 never fails on errors."""
+    cancel_timeout_s: float = Field(default=60.0, gt=0)
+    """How long cancelling the groups in flight (the run's end, a stop) waits for their episodes to finish their
+    clean-up (tool releases, agent processes); a group still running then is given up on, named in its outcome."""
     seed: int = 0
     """Run seed; each episode's sampling seed derives from (seed, the prompt's uid, repeat index, and the
     attempt when a prompt is given out again): the same row twice, or in a later epoch, gets fresh noise."""
@@ -304,6 +310,11 @@ class TrainConfig(Section):
     max_version_violations: float = Field(default=0.0, ge=0, le=1)
     """Share of a step's trained records allowed to hold tokens of versions outside the schedule's
     window [s-1-η, s-1]; past it the step fails (a server serving the wrong weights)."""
+    server_logprob_tol: float | None = Field(default=0.1, gt=0)
+    """Before step 1 of a fresh run, each server's log-probs of a fixed token sequence are compared with the
+    learner's first forward of it (at temperature 1); a server whose mean |difference| is above this serves
+    another model (or other weights) than the learner trains, and the run refuses to start, naming it. This is
+    what checks servers on another host (--server-url) beyond their model type and architecture. None: skip."""
     learner_ready_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline for the learner process to load its model and report ready."""
     update_timeout_s: float = Field(default=3600.0, gt=0)

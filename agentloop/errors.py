@@ -14,8 +14,11 @@
     └── EpisodeError           an episode-level failure a loop raises on purpose
         ├── PromptTooLongError the prompt does not fit the context
         ├── EpisodeTimeout     the episode ran past rollout.episode_timeout_s (the engine's)
+        ├── ToolLifecycleTimeout  a tool's create ran past tools.lifecycle_timeout_s (the environment's)
         └── AgentError         your agent (openai_agent_loop) crashed, answered badly or made no request
-            └── AgentTimeoutError  it ran past agent.timeout_s
+            ├── AgentTimeoutError  it ran past agent.timeout_s
+            └── AgentPolicyError   it failed on what the policy produced (a context overflow, a tool call
+                                   its SDK could not use), as the gateway recorded it
 
 Inside the engine, every exception raised by an episode becomes an error record
 (type + message), except AllServersDownError, which stops the run after the records
@@ -24,11 +27,14 @@ episode scores `reward.failure_score`, counted (agentloop.rollout.scorer).
 
 Whose fault a failed episode is, for training (`failure_kind`, the one place that decides):
     policy   the sampled output caused it: the episode (or the user agent of openai_agent_loop) ran past its
-             timeout (too many turns, tool calls, tokens). It stays in its GRPO group at `reward.failure_score`;
-             a reward that rejected the output (raised, timed out) already scored it so.
+             timeout (too many turns, tool calls, tokens), or the user agent failed after the gateway saw the
+             policy overflow the context or make a tool call the harness cannot use (AgentPolicyError). It
+             stays in its GRPO group at `reward.failure_score`, with the tokens it made; a reward that rejected
+             the output (raised, timed out) already scored it so. Only the episode's own deadline is a
+             policy timeout: a TimeoutError an environment raises inside a loop is the environment's.
     infra    anything else: a server aborted the request, the retry budget ran out, every server went
-             down, the loop or a plugin raised, the prompt does not fit, no reward applies. Its whole
-             group is left out of training (never a partial group).
+             down, the loop or a plugin raised (an environment's timeout included), the prompt does not fit,
+             no reward applies. Its whole group is left out of training (never a partial group).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Literal
 
 FailureKind = Literal["ok", "policy", "infra"]
 
-POLICY_ERRORS = frozenset({"EpisodeTimeout", "AgentTimeoutError"})
+POLICY_ERRORS = frozenset({"EpisodeTimeout", "AgentTimeoutError", "AgentPolicyError"})
 """Error types (the `Type` of a record's `Type: message`) that the sampled output caused."""
 
 
@@ -109,6 +115,10 @@ class EpisodeTimeout(EpisodeError):
     """The episode ran past `rollout.episode_timeout_s`; the engine keeps the turns it finished."""
 
 
+class ToolLifecycleTimeout(EpisodeError):
+    """A tool's create (or another lifecycle call that must finish) ran past `tools.lifecycle_timeout_s`."""
+
+
 class AgentError(EpisodeError):
     """A user agent run by openai_agent_loop failed: it raised, its command exited non-zero, its result was
     unusable, or it never called the model."""
@@ -116,3 +126,8 @@ class AgentError(EpisodeError):
 
 class AgentTimeoutError(AgentError):
     """A user agent ran past agent.timeout_s (it was cancelled, its process group killed)."""
+
+
+class AgentPolicyError(AgentError):
+    """A user agent failed after the policy overflowed the context or made a tool call the harness could not use
+    (the gateway recorded it): the policy's failure, trained at `reward.failure_score` with its tokens."""

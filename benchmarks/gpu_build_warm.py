@@ -1,8 +1,9 @@
 """Build warm-start variants of the tiny model on a GPU and measure their tool use (one process each).
 
 Usage (on the GPU machine, from the repo root):
-    python3 benchmarks/gpu_build_warm.py OUT_DIR NAME [--export] key=value ...
-Writes OUT_DIR/NAME/{model files, stats.json}. The spec keys are WarmStartSpec fields.
+    python3 benchmarks/gpu_build_warm.py OUT_DIR NAME [--export] [--renderings] key=value ...
+Writes OUT_DIR/NAME/{model files, stats.json}. The spec keys are WarmStartSpec fields. --renderings also measures
+the model on the task as each harness renders it (agentloop.models.warmstart.renderings), at T=1.
 """
 
 import json
@@ -40,6 +41,12 @@ def main() -> None:
         s = evaluate_tool_use(model_dir, n=128, temperature=temp, device="cuda")
         stats[f"T{temp:g}"] = s.model_dump(exclude={"examples"})
         stats[f"T{temp:g}_examples"] = s.examples[:3]
+    if "--renderings" in kv_flags:  # the task as each harness renders it (renderings.py), sampled at T=1
+        from agentloop.models.warmstart.renderings import renderings
+
+        stats["by_rendering_T1"] = {name: evaluate_tool_use(model_dir, n=128, temperature=1.0, device="cuda",
+                                                            rendering=name).model_dump(exclude={"examples"})
+                                    for name in renderings()}
     (Path(out) / f"{name}.json").write_text(json.dumps(stats, indent=2))
     if len(sys.argv) > 1 and "--export" in kv_flags:
         dest = Path(out) / f"{name}_model"  # two folders down at most: the device returns it
@@ -49,6 +56,8 @@ def main() -> None:
                 shutil.copyfile(model_dir / f, dest / f)
     print(json.dumps({k: stats[k] for k in ("name", "digest", "build_s")}),
           {t: (round(stats[t]["tool_call_rate"], 3), round(stats[t]["accuracy"], 3)) for t in ("T1", "T0")}, flush=True)
+    for name, r in stats.get("by_rendering_T1", {}).items():
+        print(f"  {name:<22} T1 tool calls {r['tool_call_rate']:.3f}  accuracy {r['accuracy']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

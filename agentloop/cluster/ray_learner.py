@@ -378,7 +378,7 @@ class RayLearner(LearnerHandle):
     def _info(self, snap: dict[str, Any]) -> LearnerInfo:
         return LearnerInfo(next_step=int(snap.get("next_step") or 1), resumed_step=snap.get("resumed_step"),
                            data_position=snap.get("data_position"), world_size=int(snap.get("world_size") or 1),
-                           layout=dict(snap.get("layout") or {}))
+                           layout=dict(snap.get("layout") or {}), probe=snap.get("probe"))
 
     async def wait_ready(self, timeout_s: float) -> LearnerInfo:
         async def probe():

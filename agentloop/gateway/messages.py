@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-Api = Literal["openai", "anthropic"]
+Api = Literal["openai", "responses", "anthropic"]
 
 
 class GatewayError(Exception):

@@ -9,20 +9,26 @@ Map:
 
 Routes, each under /s/{key}/v1 where {key} is the session's (an episode's):
     POST chat/completions   OpenAI Chat Completions (agentloop.gateway.openai_api), streaming or not
+    POST responses          OpenAI Responses (agentloop.gateway.responses_api), streaming or not
     POST messages           Anthropic Messages (agentloop.gateway.anthropic_api), streaming or not
     GET  models             the one model ("agentloop-policy"; any model name is accepted in requests)
+Any other path or method is answered 404 in the OpenAI error shape, naming the route asked for and the routes
+served.
 
 Access: every request must carry the session's key as `Authorization: Bearer <key>` (what OpenAI SDKs
 send) or `x-api-key: <key>` (Anthropic SDKs); a wrong key is 401, an unknown or closed session 404.
 A session's requests run as tasks owned by the session: closing it (its episode ended, timed out or was
 cancelled) cancels what still runs, and the harness gets a 503. Errors come back in the API's own shape:
 400 (the message names the field), 401, 404, 413 (body over gateway.max_request_mb), 500/503 when the
-backend failed (the backend remembers the failure and the episode fails with it).
+backend failed (the backend remembers the failure and the episode fails with it). Every error carries
+`x-should-retry: false`: the SDKs retry 5xx (and 408/409/429) by default, and a retry here cannot succeed (the
+episode's failure is already recorded, or its session closed); each retry would only start a new segment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from agentloop.errors import ServerError
-from agentloop.gateway import anthropic_api, openai_api
+from agentloop.gateway import anthropic_api, openai_api, responses_api
 from agentloop.gateway.config import GatewayConfig
 from agentloop.gateway.messages import ChatRequest, Completion, GatewayError, SessionBackend
 
@@ -48,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 MODEL_ID = "agentloop-policy"
 """The model the gateway lists; requests may name any model (the policy being trained answers)."""
+
+ROUTES = ("POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "GET /v1/models")
+"""What the gateway serves, under each episode's /s/<episode> prefix."""
 
 _WARNED: set[str] = set()
 
@@ -96,7 +105,15 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> "Gateway":
-        """Listen on gateway.host:gateway.port (0: a free port); idempotent."""
+        """Listen on gateway.host:gateway.port (0: a free port); idempotent.
+
+        The server is set up in a context of its own: its accept loop and every handler task copy the context
+        current when it starts listening, and the first episode's (its trajectory list, its deadline) must
+        not become every later request's. Each session's backend is told its episode explicitly instead."""
+        # a task made inside an empty context copies that one (create_task's context= is Python 3.11+)
+        return await contextvars.Context().run(asyncio.ensure_future, self._start())
+
+    async def _start(self) -> "Gateway":
         async with self._start_lock:
             if self._closed:
                 raise RuntimeError("the gateway was closed")
@@ -104,8 +121,10 @@ class Gateway:
                 return self
             app = web.Application(client_max_size=int(self.cfg.max_request_mb * (1 << 20)))
             app.router.add_post("/s/{key}/v1/chat/completions", self._openai)
+            app.router.add_post("/s/{key}/v1/responses", self._responses)
             app.router.add_post("/s/{key}/v1/messages", self._anthropic)
             app.router.add_get("/s/{key}/v1/models", self._models)
+            app.router.add_route("*", "/{tail:.*}", self._unknown)
             runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.cfg.shutdown_timeout_s)
             await runner.setup()
             site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
@@ -193,6 +212,15 @@ class Gateway:
     async def _anthropic(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, "anthropic")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, "responses")
+
+    async def _unknown(self, request: web.Request) -> web.StreamResponse:
+        routes = ", ".join(ROUTES)
+        return self._error("openai", GatewayError(
+            404, f"the gateway does not serve {request.method} {request.path}; it serves {routes} (under each "
+                 "episode's base URL /s/<episode>/v1)", kind="not_found_error", code="unknown_route"))
+
     async def _models(self, request: web.Request) -> web.StreamResponse:
         try:
             self._session(request)
@@ -209,12 +237,15 @@ class Gateway:
         except GatewayError as e:
             return self._error(api, e)
         model = req.model or MODEL_ID
+        now = int(time.time())
         if not req.stream:
-            body = (openai_api.completion_body(completion, model, int(time.time())) if api == "openai"
+            body = (openai_api.completion_body(completion, model, now) if api == "openai"
+                    else responses_api.response_body(completion, model, now) if api == "responses"
                     else anthropic_api.message_body(completion, model))
             return web.json_response(body, dumps=_dumps)
         self._stats["streamed"] += 1
-        events = (openai_api.stream_chunks(completion, model, int(time.time()), req.include_usage) if api == "openai"
+        events = (openai_api.stream_chunks(completion, model, now, req.include_usage) if api == "openai"
+                  else responses_api.stream_events(completion, model, now) if api == "responses"
                   else anthropic_api.stream_events(completion, model))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -233,7 +264,7 @@ class Gateway:
             raise GatewayError(413, f"request body over gateway.max_request_mb={self.cfg.max_request_mb:g}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise GatewayError(400, f"the request body is not JSON: {e}") from None
-        req = (openai_api if api == "openai" else anthropic_api).parse_request(body)
+        req = {"openai": openai_api, "responses": responses_api, "anthropic": anthropic_api}[api].parse_request(body)
         for k in req.ignored:
             log_once(f"{api}:ignored:{k}", f"gateway: requests set {k!r}, which the gateway does not honour "
                                            "(ignored; this is logged once)")
@@ -263,8 +294,9 @@ class Gateway:
 
     def _error(self, api: str, e: GatewayError) -> web.Response:
         self._stats["client_errors" if e.status < 500 else "server_errors"] += 1
-        body = openai_api.error_body(e) if api == "openai" else anthropic_api.error_body(e)
-        return web.json_response(body, status=e.status, dumps=_dumps)
+        body = anthropic_api.error_body(e) if api == "anthropic" else openai_api.error_body(e)
+        # a retry cannot succeed: the backend's failure is the episode's, a closed session stays closed
+        return web.json_response(body, status=e.status, dumps=_dumps, headers={"x-should-retry": "false"})
 
 
 def _dumps(obj: Any) -> str:

@@ -7,7 +7,8 @@ and register it with `register_agent_loop("name", Cls)` (or as a class decorator
     tool_agent.py   tool_agent_loop: generate, parse calls, run tools, append their tokens, repeat
     openai_agent.py openai_agent_loop: your own agent (any SDK or command) through the gateway (agentloop.gateway)
     chat_session.py the gateway session of one episode: requests -> exact token ids, segments
-    agent_command.py an agent command per episode: process group, deadline, output tail
+    agent_command.py an agent command per episode: process group, deadline, output tail, result channel
+    agent_workers.py long-lived harness workers (agent.workers): episodes over a JSON-lines protocol
     search_r1.py    search_r1_agent_loop: Search-R1's <search>/<information>/<answer> protocol
     template.py     chat-template diffing (append-only check, the turn suffix, glue vs content of new messages)
     env_tokens.py   environment text as plain text: no control token (`<|im_end|>`...) can come out of it

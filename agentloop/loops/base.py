@@ -83,7 +83,10 @@ class TrajectoryBuilder:
     `response_ids`, ...) are copies, and `build` makes the output's lists once, at the end.
     """
 
-    def __init__(self, prompt_ids: Sequence[int]):
+    def __init__(self, prompt_ids: Sequence[int], *, watch: list["TrajectoryBuilder"] | None = None):
+        """`watch`: the list of the episode's builders to join (the engine's, see watch_trajectories); by
+        default the one the current task's context holds. Code that serves an episode from another task
+        context (the gateway's handlers) passes the episode's list explicitly."""
         self._ids = array("i", prompt_ids)  # prompt + response: the next call's input
         self._n_prompt = len(self._ids)
         self._mask = bytearray()
@@ -93,7 +96,7 @@ class TrajectoryBuilder:
         self.weight_versions: list[str | None] = []
         self.interrupted_calls = 0
         self.num_turns = 0
-        watched = _WATCHED.get()
+        watched = watch if watch is not None else _WATCHED.get()
         if watched is not None:
             watched.append(self)
 
@@ -222,6 +225,9 @@ class AgentLoopBase(ABC):
         self.config = config
         self.tools = tools or {}
         self.extra_kwargs = kwargs
+        self.trajectories: list[TrajectoryBuilder] | None = _WATCHED.get()
+        """The episode's builders (the engine sets it to its list, see watch_trajectories): code that builds
+        trajectories outside the episode's task context (the gateway) appends to it explicitly."""
         ctx = config.model.context_length
         if ctx is None:
             ctx = getattr(tokenizer, "agentloop_context_length", None) or getattr(tokenizer, "model_max_length", None)

@@ -33,6 +33,15 @@ difference is logged once and counted); its max_tokens may only lower the per-ca
 context is answered 400 context_length_exceeded. A failed generate call (servers down, retries spent)
 is answered 503 and remembered in `failure`: the loop fails the episode with it.
 
+Policy faults. What the policy did that a harness may fail on is remembered in `policy_faults`: a
+conversation that overflowed the context, a turn cut at its token cap, a tool call the parser could not
+read, a call of a tool the request did not offer or with arguments its schema refuses. When the agent then
+fails, the loop makes the episode the policy's failure (AgentPolicyError, with its tokens) rather than the
+infrastructure's.
+
+Builders. Each segment's TrajectoryBuilder is appended to `watch` (the engine's list of the episode's
+builders), passed explicitly: the gateway's handlers run in the gateway's context, not the episode's.
+
 Simplification: a new segment's prompt is tokenized as a whole, control tokens included, like a data
 row's prompt; only tokens appended to a segment get the plain-text rule for environment content.
 """
@@ -83,8 +92,12 @@ class ChatSession:
     tokenizer, chat template, context length and per-turn seeds)."""
 
     def __init__(self, loop: "AgentLoopBase", episode_id: str, sampling_params: SamplingParams, *,
-                 parser: str = "hermes", check_template: bool = True, max_tokens_per_call: int | None = None):
+                 parser: str = "hermes", check_template: bool = True, max_tokens_per_call: int | None = None,
+                 watch: list[TrajectoryBuilder] | None = None):
         self.loop = loop
+        self.watch = watch
+        self.policy_faults: list[str] = []
+        """What the policy did that a harness may fail on (see the module doc), in order."""
         self.episode_id = episode_id
         self.sp = sampling_params
         self.parse = get_parser(parser)
@@ -102,7 +115,7 @@ class ChatSession:
         self._lock = asyncio.Lock()
         self.m: dict[str, float] = {k: 0.0 for k in (
             "requests", "segments", "turns", "tool_calls", "tool_calls_made", "parse_errors",
-            "sampling_ignored", "context_exceeded", "gen_time_s")}
+            "sampling_ignored", "context_exceeded", "invalid_tool_calls", "gen_time_s")}
 
     # ------------------------------------------------------------------ the backend
 
@@ -131,6 +144,8 @@ class ChatSession:
         room = self.loop.context_length - len(prompt)
         if room < 1:
             self.m["context_exceeded"] += 1
+            self.policy_faults.append(f"the conversation overflowed the context ({len(prompt)} tokens > "
+                                      f"{self.loop.context_length})")
             raise GatewayError(400, f"the conversation is {len(prompt)} tokens; the model's context is "
                                     f"{self.loop.context_length} tokens", code="context_length_exceeded",
                                param="messages")
@@ -149,7 +164,8 @@ class ChatSession:
         completion = self._answer(req, raw, end_text, out.finish_reason, len(prompt), len(out.token_ids))
         # commit: nothing above changed the session, so a refused or failed request leaves it as it was
         if seg is None:
-            seg = _Segment(TrajectoryBuilder(prompt), [m.key() for m in req.messages], new_t, req.tools,
+            seg = _Segment(TrajectoryBuilder(prompt, watch=self.watch), [m.key() for m in req.messages], new_t,
+                           req.tools,
                            call_names={c.id: c.name for m in req.messages for c in m.tool_calls})
             self.segments.append(seg)
             self.m["segments"] += 1
@@ -170,6 +186,8 @@ class ChatSession:
         self.calls += 1
         self.m["turns"] += 1
         self.m["tool_calls_made"] += len(completion.tool_calls)
+        if out.finish_reason == "length":  # SDKs refuse a cut turn (the Responses API's status "incomplete")
+            self.policy_faults.append(f"a turn cut at its token cap ({len(out.token_ids)} tokens)")
         if out.finish_reason == "abort":
             self.aborted = True
             raise GatewayError(503, "the inference server aborted this generation", kind="overloaded_error")
@@ -218,8 +236,15 @@ class ChatSession:
         if req.tools and req.tool_choice != "none":
             parsed = self.parse(raw)
             self.m["parse_errors"] += len(parsed.errors)
+            if parsed.errors:
+                self.policy_faults.append(f"a tool call that could not be parsed: {parsed.errors[0]}")
+            for c in parsed.calls:
+                problem = _call_problem(c.name, c.arguments, req.tools)
+                if problem:
+                    self.m["invalid_tool_calls"] += 1
+                    self.policy_faults.append(problem)
             if parsed.calls:
-                prefix = "call_" if req.api == "openai" else "toolu_"
+                prefix = "toolu_" if req.api == "anthropic" else "call_"
                 calls = [ToolCall(f"{prefix}{uuid.uuid4().hex[:24]}", c.name,
                                   json.dumps(c.arguments, ensure_ascii=False)) for c in parsed.calls]
                 content = parsed.content
@@ -228,7 +253,7 @@ class ChatSession:
             if stop_seq is not None:  # APIs leave the matched stop string out of the text
                 content = raw[:len(raw) - len(stop_seq)]
         api_finish = "tool_calls" if calls else ("length" if finish == "length" else "stop")
-        cid = ("chatcmpl-" if req.api == "openai" else "msg_") + uuid.uuid4().hex[:24]
+        cid = {"openai": "chatcmpl-", "responses": "resp_"}.get(req.api, "msg_") + uuid.uuid4().hex[:24]
         return Completion(content=content, tool_calls=calls, finish=api_finish, prompt_tokens=prompt_tokens,
                           completion_tokens=completion_tokens, id=cid, stop_sequence=stop_seq)
 
@@ -257,6 +282,21 @@ class ChatSession:
                                   extra={"messages": seg.template,
                                          "response_text": self.loop.decode(seg.builder.response_ids)})
                 for seg in self.segments]
+
+
+def _call_problem(name: str, arguments: Any, tools: list[dict[str, Any]]) -> str | None:
+    """Why a harness would refuse this parsed call (no such tool offered, arguments not an object or
+    missing a required key), or None."""
+    schema = next((t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name), None)
+    if schema is None:
+        return f"a call of tool {name!r}, which the request did not offer"
+    if not isinstance(arguments, dict):
+        return f"a call of {name!r} whose arguments are not a JSON object"
+    params = schema.get("parameters") or {}
+    missing = [k for k in params.get("required") or [] if k not in arguments]
+    if missing:
+        return f"a call of {name!r} without its required argument(s) {missing}"
+    return None
 
 
 __all__ = ["ChatSession"]

@@ -54,7 +54,7 @@ import time
 from typing import Any
 
 from agentloop.config import SamplingParams
-from agentloop.errors import ConfigError, PromptTooLongError
+from agentloop.errors import ConfigError, PromptTooLongError, ToolLifecycleTimeout
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.loops.env_tokens import encode_segments
 from agentloop.loops.registry import register_agent_loop
@@ -156,8 +156,13 @@ class ToolAgentLoop(AgentLoopBase):
         finish = "stop"
         extra: dict[str, Any] = {}
         try:
+            life = cfg.lifecycle_timeout_s
             for name, tool in tools.items():
-                instances[name] = await tool.create(sample, **create_kwargs[name])
+                try:
+                    instances[name] = await asyncio.wait_for(tool.create(sample, **create_kwargs[name]), life)
+                except asyncio.TimeoutError:
+                    raise ToolLifecycleTimeout(f"tool {name!r}: create ran past tools.lifecycle_timeout_s="
+                                               f"{life:g}") from None
             for turn in range(cfg.max_turns):
                 want, limiter = traj.next_turn(per_turn, cfg.max_response_tokens, self.context_length)
                 if want == 0:
@@ -196,7 +201,13 @@ class ToolAgentLoop(AgentLoopBase):
                 traj.add_env(env_ids)
             extra["tool_rewards"] = rewards = {}
             for name, tool in tools.items():
-                r = await tool.reward(instances[name])
+                try:
+                    r = await asyncio.wait_for(tool.reward(instances[name]), life)
+                except asyncio.TimeoutError:  # no tool reward, counted: the data_source's reward still scores
+                    c.add("lifecycle_timeouts")
+                    logger.warning("tool %r reward ran past tools.lifecycle_timeout_s=%g in episode %s", name, life,
+                                   sample.episode_id)
+                    continue
                 if r is not None:
                     rewards[name] = float(r)
                     c.m[f"tool_reward/{name}"] = float(r)
@@ -206,7 +217,12 @@ class ToolAgentLoop(AgentLoopBase):
         finally:
             for name, inst in instances.items():
                 try:
-                    await tools[name].release(inst)
+                    # a deadline even here: a hanging release must not hold an episode its timeout cut
+                    await asyncio.wait_for(tools[name].release(inst), cfg.lifecycle_timeout_s)
+                except asyncio.TimeoutError:
+                    c.add("lifecycle_timeouts")
+                    logger.warning("tool %r release ran past tools.lifecycle_timeout_s=%g in episode %s (abandoned)",
+                                   name, cfg.lifecycle_timeout_s, sample.episode_id)
                 except Exception:  # counted and logged; the episode's result stands
                     c.add("release_errors")
                     logger.exception("tool %r release failed in episode %s", name, sample.episode_id)

@@ -5,7 +5,7 @@ Map:
                            `next()` once, as soon as its last episode ends (asynchronous training)
     RolloutEngine.run      a wrapper that submits every sample's group to a GroupStream and collects
                            the records: the eval path and the synchronous schedule
-    _run_episode           build the loop, seed it, run it under a timeout, score it; any exception
+    _run_episode           build the loop, seed it, run it under its deadline, score it; any exception
                            becomes an error record (AllServersDownError also stops the run); a timed-out
                            episode keeps the turns it finished; a reward that raises or times out scores
                            reward.failure_score (counted in the record's metrics)
@@ -50,6 +50,41 @@ from agentloop.util.pacing import StepGate, step_gate
 from agentloop.util.runtime import freeze_heap
 
 RecordSink = Callable[[EpisodeRecord], Any]
+
+
+class Deadline:
+    """`async with Deadline(s)`: cancels the current task after `s` seconds and raises TimeoutError out of the
+    block; `expired()` says whether it was this deadline (and not a TimeoutError from inside) that fired.
+    asyncio.timeout does this from Python 3.11 on; this one runs on 3.10 too."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._fired = False
+        self._task: asyncio.Task | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def expired(self) -> bool:
+        return self._fired
+
+    def _fire(self) -> None:
+        self._fired = True
+        assert self._task is not None
+        self._task.cancel()
+
+    async def __aenter__(self) -> "Deadline":
+        self._task = asyncio.current_task()
+        self._handle = asyncio.get_running_loop().call_later(self.seconds, self._fire)
+        return self
+
+    async def __aexit__(self, et: Any, e: Any, tb: Any) -> bool:
+        assert self._handle is not None and self._task is not None
+        self._handle.cancel()
+        if self._fired and et is asyncio.CancelledError:
+            uncancel = getattr(self._task, "uncancel", None)  # 3.11+: another cancel still pending wins
+            if uncancel is not None and uncancel() > 0:
+                return False
+            raise TimeoutError(f"the deadline of {self.seconds:g}s passed") from e
+        return False
 
 
 class RolloutResult(BaseModel):
@@ -206,17 +241,24 @@ class RolloutEngine:
         t0 = time.monotonic()
         sp = self.sampling_params(sample)
         built = watch_trajectories()  # this episode's task only: each episode runs in its own task
+        deadline = Deadline(self.cfg.rollout.episode_timeout_s)
         try:
             loop = self.loop_cls(server_manager=self.sm, tokenizer=self.tokenizer, config=self.cfg,
                                  **self.loop_kwargs)
-            out = await asyncio.wait_for(loop.run(sample, sp), timeout=self.cfg.rollout.episode_timeout_s)
+            loop.trajectories = built
+            async with deadline:
+                out = await loop.run(sample, sp)
             if not isinstance(out, AgentLoopOutput):
                 raise TypeError(f"{self.loop_cls.__name__}.run returned {type(out).__name__}, "
                                 "not AgentLoopOutput")
         except AllServersDownError:
             raise
-        except asyncio.TimeoutError:
-            return self._timeout_record(sample, built, step, time.monotonic() - t0)
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            # only the episode's own deadline is the policy's timeout; a TimeoutError an environment raised
+            # inside the loop (a socket, an HTTP client) is that environment's failure (infra)
+            if deadline.expired():
+                return self._timeout_record(sample, built, step, time.monotonic() - t0)
+            return self._error_record(sample, e, step, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - an episode's failure becomes data, never a crash
             return self._error_record(sample, e, step, time.monotonic() - t0)
         finally:
@@ -377,6 +419,8 @@ class GroupStream:
         self._started: dict[int, int | None] = {}
         self._sizes: dict[int, int] = {}
         self._cancel_reason: dict[int, str] = {}
+        self._abandoned: set[int] = set()
+        """Groups cancel_all gave up on: their task still runs, its outcome is already out."""
         self._done: asyncio.Queue[GroupOutcome] = asyncio.Queue()
         self.stopped: str | None = None
         """Why nothing more can finish (every server went down, the record sink failed): the stream cancels
@@ -440,12 +484,29 @@ class GroupStream:
         return self._done.qsize()
 
     async def cancel_all(self, reason: str) -> list[GroupOutcome]:
-        """Cancel every running group and return every outcome not yet taken (cancelled or complete)."""
+        """Cancel every running group and return every outcome not yet taken (cancelled or complete). Groups
+        whose episodes do not finish their clean-up within `rollout.cancel_timeout_s` (a tool or agent that
+        hangs in it) are given up on: they come out cancelled, saying so, and their tasks are left behind."""
         for uid in list(self._tasks):
             self.cancel(uid, reason)
         out = []
-        while self._tasks:
-            out.append(await self._done.get())
+        limit = self.engine.cfg.rollout.cancel_timeout_s
+
+        async def collect() -> None:
+            while self._tasks:
+                out.append(await self._done.get())
+
+        try:
+            await asyncio.wait_for(collect(), limit)
+        except asyncio.TimeoutError:
+            for uid in list(self._tasks):
+                self._abandoned.add(uid)
+                del self._tasks[uid]
+                self._started.pop(uid, None)
+                n = self._sizes[uid]  # counted as cancelled by its task already, when the cancel reached it
+                out.append(GroupOutcome(sample=self._samples[uid], n=n, submitted_version=self._versions[uid],
+                                        cancelled=f"{reason} (its episodes did not stop within "
+                                                  f"rollout.cancel_timeout_s={limit:g}: abandoned)"))
         while not self._done.empty():
             out.append(self._done.get_nowait())
         return out
@@ -486,9 +547,12 @@ class GroupStream:
             if outcome is None:  # cancelled again while its episodes were being cancelled
                 outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
                                        cancelled=self._cancel_reason.get(uid) or self.stopped or "cancelled")
-            del self._tasks[uid]
-            self._started.pop(uid, None)
-            self._done.put_nowait(outcome)
+            if uid in self._abandoned:  # cancel_all already put out its outcome
+                self._abandoned.discard(uid)
+            else:
+                del self._tasks[uid]
+                self._started.pop(uid, None)
+                self._done.put_nowait(outcome)
 
     async def _episode(self, uid: int, sample: Sample) -> list[EpisodeRecord]:
         async with self.engine._slots:

@@ -47,7 +47,13 @@ class ToolServiceConfig(_Section):
     """`agentloop tools serve` (agentloop.tools.service): where it listens and its limits."""
 
     host: str = "127.0.0.1"
-    """Interface to bind. Any other than localhost needs the shared secret AGENTLOOP_TOOLS_TOKEN (it runs code)."""
+    """Interface to bind. Any other than localhost needs the shared secret AGENTLOOP_TOOLS_TOKEN (it runs code) and
+    TLS (`tls_cert` and `tls_key`): the token would otherwise travel in plain HTTP."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) the service presents over HTTPS; with `tls_key`. Clients reach it as https://...
+    and verify it against the system CAs or `tools.server_ca_file`."""
+    tls_key: str | None = None
+    """PEM private key of `tls_cert`."""
     port: int = Field(default=8200, ge=0, le=65535)
     """Port to listen on (0: a free one, printed)."""
     lease_s: float = Field(default=1800.0, gt=0)
@@ -90,6 +96,10 @@ class ToolsConfig(_Section):
     message."""
     max_parallel_calls: int = Field(default=4, ge=1)
     """Calls of one turn running concurrently (ours: verl runs all of a turn's calls at once)."""
+    lifecycle_timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline of a tool's create, reward and release call in tool_agent_loop: a create past it fails the episode
+    (ToolLifecycleTimeout, the environment's failure), a reward past it gives no tool reward and a release past
+    it is abandoned (each counted), so a hanging tool never holds an episode, a timed-out one included."""
     tool_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of one tool call (asyncio.wait_for); past it the call's message says it timed out."""
     max_tool_response_tokens: int = Field(default=512, ge=8)
@@ -109,6 +119,12 @@ class ToolsConfig(_Section):
     balanced (least live instances; a failing one is skipped for a while). Empty: tools run here."""
     remote_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of a remote create, reward or release call (execute has `tool_timeout_s`)."""
+    server_ca_file: str | None = None
+    """PEM CA bundle that signed the tool services' certificates (https:// URLs; None: the system CAs)."""
+    allow_unisolated_service: bool = False
+    """Accept a tool service whose catalog says it runs a sandboxed tool (model-written code) without isolation
+    (its host has no working sandbox and it was started with tools.python.allow_unisolated=true). Off: episodes
+    using it are error records naming the tools."""
     service: ToolServiceConfig = Field(default_factory=ToolServiceConfig)
     """`agentloop tools serve`: bind address and limits."""
     search: SearchToolConfig = Field(default_factory=SearchToolConfig)

@@ -112,7 +112,13 @@ class ToolServicePool:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
+            ssl_ctx: Any = True
+            if self.cfg.server_ca_file:
+                import ssl
+
+                ssl_ctx = ssl.create_default_context(cafile=self.cfg.server_ca_file)
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=ssl_ctx),
+                                                  headers=self.headers)
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="tool-service-session")
         return self._session
 
@@ -159,11 +165,18 @@ class ToolServicePool:
         for i in self.balancer.order(time.monotonic()):
             try:
                 body = await self.request(i, "GET", "/v1/tools", None, self.cfg.remote_timeout_s)
-                self._catalog = {t["name"]: t for t in body["tools"]}
-                return self._catalog
+                catalog = {t["name"]: t for t in body["tools"]}
             except (_ServiceFailed, KeyError, TypeError) as e:
                 self.balancer.failed(i, time.monotonic())
                 problems.append(str(e))
+                continue
+            bare = sorted(n for n, t in catalog.items() if t.get("sandboxed") and not t.get("isolated"))
+            if bare and not self.cfg.allow_unisolated_service:
+                raise ToolServiceError(
+                    f"the tool service {self.urls[i]} runs {bare} (model-written code) without isolation; use an "
+                    "isolated service, or accept it with tools.allow_unisolated_service=true")
+            self._catalog = catalog
+            return self._catalog
         raise ToolServiceError("no tool service answered for its catalog: " + "; ".join(problems))
 
     async def create(self, tool: str, episode: Sample, kwargs: dict[str, Any]) -> RemoteInstance:

@@ -3,7 +3,8 @@ so heavy tools (sandboxes, retrievers, environments) run on their own machines.
 
 API (JSON bodies; with a token set, every request carries `Authorization: Bearer <token>`):
 
-    GET    /v1/tools                    {"tools": [{name, description, parameters, verl_style}], "lease_s"}
+    GET    /v1/tools                    {"tools": [{name, description, parameters, verl_style, sandboxed,
+                                        isolated}], "lease_s"}
     POST   /v1/instances                {tool, episode (a Sample), kwargs} -> {instance_id}: tool.create
     POST   /v1/instances/{id}/execute   {arguments, timeout_s} -> {text, metrics, error}, or
                                         {timeout: true} | {exception: {type, message}}: tool.execute
@@ -22,7 +23,13 @@ Limits: `max_concurrent_calls` executes at once (others wait), each under min(it
 `max_call_timeout_s`); calls of `sandbox_tools` start at most `sandbox_start_rate` per second. A call's
 exception or timeout is answered as data (the client raises it again, so the loop words and counts it exactly as
 for a local tool). Bind: 127.0.0.1 by default; any other host needs a shared secret in AGENTLOOP_TOOLS_TOKEN (the
-service executes code). One tool object per instance (as tool_agent_loop makes one per episode).
+service executes code) and TLS (tools.service.tls_cert / tls_key), so the secret never travels in plain HTTP. One
+tool object per instance (as tool_agent_loop makes one per episode).
+
+Isolation: the tools of `sandbox_tools` run model-written code. The service refuses to start when this host
+cannot isolate them (no sandbox backend works), as `agentloop train` refuses on its own host, unless
+tools.python.allow_unisolated=true; its catalog says of each tool whether it is sandboxed and isolated, and
+clients refuse an unisolated one unless tools.allow_unisolated_service=true.
 """
 
 from __future__ import annotations
@@ -101,11 +108,44 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse a non-loopback bind without a shared secret: the service executes code."""
-    if not is_loopback(host) and not token:
+def check_bind(host: str, token: str | None, tls: bool = False) -> None:
+    """Refuse a non-loopback bind without a shared secret, or without TLS to carry it: the service executes code."""
+    if is_loopback(host):
+        return
+    if not token:
         raise ConfigError(f"the tool service executes code: binding {host!r} (not localhost) needs a shared secret; "
                           f"set {TOKEN_ENV} on the service and its clients")
+    if not tls:
+        raise ConfigError(f"binding {host!r} (not localhost) needs TLS, or the shared secret travels in plain HTTP: "
+                          "set tools.service.tls_cert and tools.service.tls_key (PEM files), and give clients "
+                          "https:// URLs (tools.server_ca_file for a private CA)")
+
+
+def sandbox_isolation(cfg: ToolsConfig, names: list[str]) -> dict[str, bool]:
+    """name -> whether it would run isolated here, for the served tools that run model code (`sandbox_tools`)."""
+    from agentloop.tools.sandbox import isolation_status
+
+    sandboxed = [n for n in names if n in cfg.service.sandbox_tools]
+    if not sandboxed:
+        return {}
+    isolated = isolation_status(cfg.python).isolated
+    return {n: isolated for n in sandboxed}
+
+
+def require_served_isolation(cfg: ToolsConfig, names: list[str]) -> dict[str, bool]:
+    """`sandbox_isolation`, or ConfigError when a sandboxed tool would run unisolated and
+    tools.python.allow_unisolated is not set (what `agentloop train` refuses on its own host)."""
+    iso = sandbox_isolation(cfg, names)
+    bare = sorted(n for n, ok in iso.items() if not ok)
+    if bare and not cfg.python.allow_unisolated:
+        from agentloop.tools.sandbox import isolation_status
+
+        raise ConfigError(
+            f"agentloop tools serve refuses to run model-written code unisolated: the tools {bare} "
+            f"(tools.service.sandbox_tools) have no working sandbox here ({isolation_status(cfg.python).reason}). "
+            "Run as root, install bubblewrap, or accept it with tools.python.allow_unisolated=true (the catalog "
+            "then says so, and clients refuse it unless tools.allow_unisolated_service=true)")
+    return iso
 
 
 class ToolService:
@@ -125,6 +165,7 @@ class ToolService:
             "releases", "release_errors", "lease_expired", "unauthorized", "unknown_instance", "calls_waiting",
             "calls_running", "sandbox_wait_s")}
         self.schemas = {name: cls(tools_cfg) for name, cls in classes.items()}
+        self.isolation = sandbox_isolation(tools_cfg, list(self.schemas))
 
     # ------------------------------------------------------------------ app
 
@@ -158,8 +199,9 @@ class ToolService:
 
     async def _tools(self, request: Any) -> Any:
         return self._json({"lease_s": self.scfg.lease_s, "tools": [
-            {"name": t.name, "description": t.description, "parameters": t.parameters, "verl_style": t.verl_style}
-            for t in self.schemas.values()]})
+            {"name": t.name, "description": t.description, "parameters": t.parameters, "verl_style": t.verl_style,
+             "sandboxed": name in self.isolation, "isolated": self.isolation.get(name)}
+            for name, t in self.schemas.items()]})
 
     async def _body(self, request: Any) -> dict[str, Any]:
         try:
@@ -339,11 +381,14 @@ async def serve(cfg: ToolsConfig, *, token: str | None = None, ready: Any = None
     from aiohttp import web
 
     scfg = cfg.service
-    check_bind(scfg.host, token)
-    service = ToolService(cfg, service_tools(cfg), token=token)
+    check_bind(scfg.host, token, tls=bool(scfg.tls_cert))
+    ssl_ctx = server_ssl(scfg)
+    classes = service_tools(cfg)
+    require_served_isolation(cfg, list(classes))
+    service = ToolService(cfg, classes, token=token)
     runner = web.AppRunner(service.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, scfg.host, scfg.port)
+    site = web.TCPSite(runner, scfg.host, scfg.port, ssl_context=ssl_ctx)
     await site.start()
 
     async def reaper() -> None:
@@ -354,7 +399,7 @@ async def serve(cfg: ToolsConfig, *, token: str | None = None, ready: Any = None
     task = asyncio.create_task(reaper(), name="tool-leases")
     try:
         port = runner.addresses[0][1] if runner.addresses else scfg.port
-        url = f"http://{scfg.host}:{port}"
+        url = f"{'https' if ssl_ctx else 'http'}://{scfg.host}:{port}"
         if ready is not None:
             ready(url, sorted(service.classes))
         else:
@@ -366,6 +411,23 @@ async def serve(cfg: ToolsConfig, *, token: str | None = None, ready: Any = None
         await asyncio.gather(task, return_exceptions=True)
         await service.close()
         await runner.cleanup()
+
+
+def server_ssl(scfg: ToolServiceConfig) -> Any:
+    """The service's TLS context from tools.service.tls_cert / tls_key (None: plain HTTP, loopback only)."""
+    if not scfg.tls_cert and not scfg.tls_key:
+        return None
+    if not (scfg.tls_cert and scfg.tls_key):
+        raise ConfigError("TLS needs both tools.service.tls_cert and tools.service.tls_key")
+    import ssl
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(scfg.tls_cert, scfg.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot load tools.service.tls_cert={scfg.tls_cert!r} / tls_key={scfg.tls_key!r}: "
+                          f"{e}") from None
+    return ctx
 
 
 def token_from_env() -> str | None:

@@ -10,6 +10,8 @@ and talks to it through the learner handle (handle: the protocol; mailbox: its f
     resume       the resume rule: a run dir's saved config + the values given now, pinned keys refused
                  (orchestrator side)
     served_model what the servers serve against model.path, before step 1 (orchestrator side)
+    probe        the log-prob probe: the fixed sequence (both sides) and the servers' log-probs of it against
+                 the learner's first forward, before step 1
     backend      Backend (where servers and learner run) and LocalBackend, this host (orchestrator side)
     learner_process  LearnerProcess + learner_command: the learner as a child process group; FileLearner, the
                  handle over it and the mailbox (orchestrator side)

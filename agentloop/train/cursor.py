@@ -77,7 +77,7 @@ class DataCursor:
                     f"the training data changed since this run's checkpoint: {source} gives {len(samples)} rows "
                     f"({cur.fingerprint[:19]}...), the checkpoint's data position was stored for "
                     f"{state.get('rows', '?')} rows ({str(stored)[:19]}...); resume with the same data "
-                    "(file, data.max_samples, data.prompt_key, held-out slice), or pass --force to go on from "
+                    "(file, data.max_samples, data.prompt_key, held-out slice), or pass --force-data to go on from "
                     "the stored position over the new rows")
             return cur
         raise ConfigError(f"unreadable data position in the checkpoint: {state!r}")

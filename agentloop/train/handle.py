@@ -78,6 +78,9 @@ class LearnerInfo:
     world_size: int = 1
     layout: dict[str, Any] = field(default_factory=dict)
     """batch_plan.BatchLayout as JSON: how the learner lays out micro-batches."""
+    probe: dict[str, Any] | None = None
+    """A fresh learner's first forward: {"ids": token ids, "logprobs": log-probs of ids[1:] at temperature 1},
+    which the servers' own log-probs of the same ids must match (served_model.check_served_logprobs)."""
 
 
 @dataclass

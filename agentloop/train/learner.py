@@ -84,9 +84,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from agentloop.train.config import AlgoConfig, LearnerConfig
+from agentloop.train.probe import PROBE_TOKENS, probe_ids
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
 logger = logging.getLogger("agentloop.train.learner")
@@ -448,6 +450,19 @@ class Learner:
 
         return [Episode(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids), list(r.response_mask),
                         list(r.response_logprobs), 0.0, 0.0) for r in records]
+
+    def probe(self, n: int = PROBE_TOKENS) -> dict[str, Any]:
+        """The learner's forward of a fixed token sequence: {"ids", "logprobs" of ids[1:]} at temperature 1 (what
+        SGLang's input log-probs are, whatever the sampling temperature). Collective."""
+        ids = probe_ids(int(getattr(self.hf_config, "vocab_size", 0) or 0), n)
+        rec = SimpleNamespace(prompt_ids=ids[:1], response_ids=ids[1:], response_mask=[1] * (len(ids) - 1),
+                              response_logprobs=[0.0] * (len(ids) - 1))
+        algo = self.algo
+        self.algo = algo.model_copy(update={"temperature": 1.0})
+        try:
+            return {"ids": ids, "logprobs": [float(x) for x in self.compute_logprobs([rec])[0]]}
+        finally:
+            self.algo = algo
 
     def compute_logprobs(self, records) -> list[list[float]]:
         """Current-policy logprobs of each record's response tokens (0.0 on mask-0 tokens).
@@ -894,6 +909,7 @@ def serve(
                                 paths.weights(meta.step))
         next_step = learner.step + 1
         ckpt_step = resumed_step  # the newest checkpoint asked for (it may still be written in the background)
+        probe = learner.probe() if ck is None else None  # collective: every rank runs the forward
         if box is not None:
             box.forget_after(learner.step)
             _clear_weights_after(paths, learner.step)
@@ -907,7 +923,8 @@ def serve(
                         replay_through, replay_through)
         if box is not None:
             box.report(status="ready", next_step=next_step, resumed_step=resumed_step,
-                       data_position=data_position, world_size=learner.world, layout=learner.layout().to_json())
+                       data_position=data_position, world_size=learner.world, layout=learner.layout().to_json(),
+                       probe=probe)
             logger.info("ready for step %d (%s)", next_step,
                         f"resumed from checkpoint {ck}" if ck is not None else "fresh start")
         waited_since = time.monotonic()

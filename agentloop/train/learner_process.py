@@ -170,7 +170,7 @@ def learner_command(
 def _info(d: dict[str, Any]) -> LearnerInfo:
     return LearnerInfo(next_step=int(d.get("next_step") or 1), resumed_step=d.get("resumed_step"),
                        data_position=d.get("data_position"), world_size=int(d.get("world_size") or 1),
-                       layout=dict(d.get("layout") or {}))
+                       layout=dict(d.get("layout") or {}), probe=d.get("probe"))
 
 
 class FileLearner(LearnerHandle):

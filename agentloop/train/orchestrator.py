@@ -80,6 +80,7 @@ from agentloop.train.cursor import DataCursor
 from agentloop.train.handle import LearnerError, LearnerHandle, UpdateResult
 from agentloop.train.model_support import require_model_support
 from agentloop.train.preflight import Preflight, plan_summary, run_preflight, say_lines, served_kv_tokens
+from agentloop.train.probe import check_served_logprobs
 from agentloop.train.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.served_model import align_served_weights, check_served_model
 from agentloop.train.weight_transport import ServerHalf, Stage, same_path, server_half
@@ -129,6 +130,20 @@ def trainable(r: EpisodeRecord) -> bool:
     infrastructure failure (agentloop.errors.failure_kind), which take their whole group out."""
     kind = failure_kind(r.error, r.finish_reason)
     return kind == "policy" or (kind == "ok" and r.reward is not None)
+
+
+def reward_means(usable: list[EpisodeRecord]) -> dict[str, float]:
+    """The trained reward's mean over episodes (segment 0), with the policy failures at reward.failure_score and
+    without them: a failure score far from the reward's floor shows as a gap between the two."""
+    eps = [r for r in usable if r.segment == 0 and r.reward is not None]
+    clean = [r for r in eps if r.error is None and not r.metrics.get("reward_errors")
+             and not r.metrics.get("reward_timeouts")]
+
+    out = {}
+    for key, rs in (("train/reward_mean_with_failures", eps), ("train/reward_mean_without_failures", clean)):
+        if rs:  # a step without any such episode has no mean (left out, never NaN)
+            out[key] = sum(float(r.reward) for r in rs) / len(rs)
+    return out
 
 
 def group_key(r: EpisodeRecord) -> int:
@@ -300,6 +315,7 @@ class Trainer:
         checks = version_check(usable, step, self.staleness)
         checks["train/groups_dropped_infra"] = float(dropped)
         checks["train/episodes_policy_failed"] = float(policy_failed)
+        checks.update(reward_means(usable))
         limit = self.cfg.train.max_version_violations
         if checks["versions/violation_rate"] > limit:
             raise TrainingError(
@@ -494,7 +510,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                       force: bool = False, model_path: Path | None = None,
                       backend: Backend | None = None) -> dict[str, Any]:
     """The run; `data` as `load_data(cfg)` made it (loaded here when None). `force`: go on from a checkpoint
-    whose data position was stored for other training rows (`agentloop train --force`). `model_path`: as
+    whose data position was stored for other training rows (`agentloop train --force-data`). `model_path`: as
     the preflight resolved it (None: resolved here). `backend`: where the servers and the learner run (default:
     this host, agentloop.train.backend.LocalBackend)."""
     loop_cls = get_agent_loop(cfg.rollout.loop)
@@ -543,7 +559,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
                                            force=force)
             if not cursor.matches(position):
-                print(f"agentloop train: --force: the training rows ({data.train_source}) differ from those the "
+                print(f"agentloop train: --force-data: the training rows ({data.train_source}) differ from those the "
                       "checkpoint's data position was stored for; going on from that position over the new rows",
                       file=sys.stderr, flush=True)
             recover_step_rows(log, first, learner, run_dir)
@@ -558,6 +574,11 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                               stage=lambda w: pool.stage(w.path, w.host), streams=streams)
             sm.set_resync(trainer.weights.resync)
             await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
+            if first == 1 and info.probe and cfg.train.server_logprob_tol is not None:
+                # what /model_info cannot tell (other weights on another host): the servers against the learner
+                await check_served_logprobs(sm, info.probe, cfg.train.server_logprob_tol,
+                                            say=lambda line: print(f"agentloop train: {line}", file=sys.stderr,
+                                                                   flush=True))
             sm.expect_version(0)
             if first > 1:
                 await trainer.resume_weights(first)

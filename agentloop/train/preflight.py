@@ -31,6 +31,7 @@ Map:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -244,7 +245,54 @@ def check_rewards(cfg: Config, data: Any) -> Check:
                      bad + ["register one (a plugin's register_reward), set reward.default to a registered reward, "
                             "or reward.custom to path/file.py:function; registered: "
                             + ", ".join(sorted(_registered()))])
+    above = [f"{ds}: the reward's floor is {floor:g}" for ds, floor in reward_floors(cfg, list(first.values())).items()
+             if cfg.reward.failure_score > floor]
+    if above:
+        return Check("rewards", "warn", "; ".join(ok) + f"; reward.failure_score={cfg.reward.failure_score:g} is above "
+                     "the lowest score the reward gives, so an episode that fails (times out, overflows the context, "
+                     "its agent fails on its output) scores better than one that answers wrong",
+                     above + ["set reward.failure_score to the reward's floor (or below) unless that is meant"])
     return Check("rewards", "ok", "; ".join(ok))
+
+
+_FLOOR_PROBE_S = 30.0
+"""How long the reward floor probe may take, all data_sources together."""
+
+
+def reward_floors(cfg: Config, samples: list[Sample]) -> dict[str, float]:
+    """data_source -> the lowest score its reward gives (the floor a failure score is compared with): the score a
+    built-in or registered reward gives an empty answer on the data_source's first row; for `reward.custom`, the
+    function's own `floor` attribute (`compute_score.floor = -1.0`), never a call (a custom reward may count its
+    calls, cost money or be slow). A reward that raises, does not answer in time or declares nothing is left out.
+    Runs in a thread of its own with its own event loop (the caller may be inside one)."""
+    import concurrent.futures
+
+    from agentloop.rollout.scorer import Scorer
+
+    async def probe() -> dict[str, float]:
+        scorer = Scorer(cfg)
+        out: dict[str, float] = {}
+        try:
+            for s in samples:
+                if scorer.custom is not None:
+                    floor = getattr(scorer.custom, "floor", None)
+                    if isinstance(floor, (int, float)) and not isinstance(floor, bool):
+                        out[s.data_source] = float(floor)
+                    continue
+                try:
+                    out[s.data_source] = float((await scorer.score(s, ""))[0])
+                except Exception:  # noqa: BLE001 - a reward that cannot score an empty answer has no floor to say
+                    continue
+        finally:
+            await scorer.close()
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(asyncio.run, asyncio.wait_for(probe(), _FLOOR_PROBE_S))
+        try:
+            return fut.result(_FLOOR_PROBE_S + 5)
+        except Exception:  # noqa: BLE001 - the probe is advice: a failure to run it is no failure of the check
+            return {}
 
 
 def _registered() -> set[str]:

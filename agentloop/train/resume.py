@@ -1,16 +1,22 @@
 """The resume rule of `agentloop train --run-dir X`: an existing run goes on with its own saved config.
 
 When X holds a config.yaml, the run's config is X/config.yaml (not a preset), with only the values given
-now applied on top: a `--config` file's values, then `key.sub=value` overrides and flags. Settings the
-run's checkpoints and data position depend on (`PINNED`: the model, the training and validation data, the
-data order's seed, every `algo.*` and `learner.*` field) may not change unless forced; the error names
-each changed key with its old and new value. Paths compare as the files they name.
+now applied on top: a `--config` file's values, then `key.sub=value` overrides and flags. Only settings that
+carry state may not change unless forced, each with its own flag; the error names each changed key with its
+old and new value and the flag that accepts it. Paths compare as the files they name.
+    PINNED_STATE  what the checkpoint's state was made with (`--force-settings`): the model and tokenizer, the
+                  optimizer's moments (learner.betas, learner.adam_eps), the parameters' dtype, the adaptive
+                  KL controller whose value the checkpoint keeps (algo.kl_ctrl*)
+    PINNED_DATA   what the data position indexes (`--force-data`): the training and validation rows and the
+                  data order's seed; a checkpoint whose data position was stored for other rows needs it too
+Everything else (learning rate, clip ratios, kl_coef, micro-batching, the number of processes: the sharded
+checkpoint loads into any world size) may change on a resume, and the change is printed. `--force` is both.
 
 Configs saved before the training rows moved to the `data` section (train.data_path, ...) are read with
 those keys mapped to their new place: the same training rows.
 
 Map:
-    PINNED            key prefixes a resume may not change without --force
+    PINNED_STATE / PINNED_DATA   keys a resume may not change without --force-settings / --force-data
     config_changes    (key, old, new) for every leaf two configs disagree on
     resume_config     X/config.yaml + the values given now -> (Config, changes); ConfigError on pinned changes
 """
@@ -24,9 +30,16 @@ from typing import Any
 from agentloop.config import Config, apply_overrides, config_from_tree, read_config_file
 from agentloop.errors import ConfigError
 
-PINNED = ("model.", "data.path", "data.builtin", "data.max_samples", "data.prompt_key", "data.val_path",
-          "data.val_builtin", "data.val_holdout", "rollout.seed", "algo.", "learner.")
-"""What a resumed run may not change without --force: keys equal to, or under, one of these."""
+PINNED_STATE = ("model.path", "model.tokenizer_path", "learner.betas", "learner.adam_eps", "learner.dtype",
+                "algo.kl_ctrl", "algo.kl_ctrl_coef", "algo.kl_ctrl_target", "algo.kl_ctrl_horizon")
+"""Settings the checkpoint's state was made with: changed only with --force-settings."""
+
+PINNED_DATA = ("data.path", "data.builtin", "data.max_samples", "data.prompt_key", "data.val_path",
+               "data.val_builtin", "data.val_holdout", "rollout.seed")
+"""Settings the data position indexes: changed only with --force-data."""
+
+PINNED = PINNED_STATE + PINNED_DATA
+"""Every key a resumed run may not change without a force flag."""
 
 PATH_KEYS = frozenset({"model.path", "model.tokenizer_path", "data.path", "data.val_path"})
 """Keys holding a file or directory: `./a.jsonl` and `/abs/a.jsonl` are the same value."""
@@ -57,7 +70,15 @@ def config_changes(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
 
 def is_pinned(key: str) -> bool:
     """Whether `key` is one of `PINNED` or under a section of it."""
-    return any(key.startswith(p) if p.endswith(".") else key == p for p in PINNED)
+    return pin_kind(key) is not None
+
+
+def pin_kind(key: str) -> str | None:
+    """"settings" (PINNED_STATE), "data" (PINNED_DATA) or None: what forcing a change of `key` takes."""
+    for kind, keys in (("settings", PINNED_STATE), ("data", PINNED_DATA)):
+        if any(key.startswith(p) if p.endswith(".") else key == p for p in keys):
+            return kind
+    return None
 
 
 def _migrate_moved_keys(tree: dict[str, Any]) -> dict[str, Any]:
@@ -89,9 +110,11 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def resume_config(run_dir: str | Path, config_file: str | Path | None, overrides: list[str], *,
-                  force: bool = False) -> tuple[Config, list[tuple[str, Any, Any]]]:
+                  force: bool = False, force_settings: bool = False,
+                  force_data: bool = False) -> tuple[Config, list[tuple[str, Any, Any]]]:
     """The config of a resumed run: `run_dir`/config.yaml, then `config_file`'s values, then `overrides`.
-    Returns it and what changed; ConfigError naming every pinned key that changed, unless `force`."""
+    Returns it and what changed; ConfigError naming every pinned key that changed and the flag it takes
+    (`force_settings` accepts PINNED_STATE changes, `force_data` PINNED_DATA ones, `force` both)."""
     saved_path = Path(run_dir) / "config.yaml"
     saved = _migrate_moved_keys(read_config_file(saved_path))
     old = config_from_tree(copy.deepcopy(saved), str(saved_path))
@@ -103,12 +126,13 @@ def resume_config(run_dir: str | Path, config_file: str | Path | None, overrides
     apply_overrides(tree, overrides)
     new = config_from_tree(tree, source + (" + overrides" if overrides else ""))
     changes = config_changes(old, new)
-    pinned = [c for c in changes if is_pinned(c[0])]
-    if pinned and not force:
-        lines = "\n  ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in pinned)
+    allowed = {"settings": force or force_settings, "data": force or force_data}
+    pinned = [(k, a, b, kind) for k, a, b in changes if (kind := pin_kind(k)) is not None and not allowed[kind]]
+    if pinned:
+        lines = "\n  ".join(f"{k}: {a!r} -> {b!r} (--force-{kind})" for k, a, b, kind in pinned)
         raise ConfigError(
             f"{run_dir} holds a run whose checkpoints were made with other settings; these arguments change "
-            f"what it depends on (the model, the data, algo.*, learner.*):\n  {lines}\n"
-            "drop them to resume the run as it was, pass --force to resume with them anyway (the old config is "
-            "kept as config.prev.yaml), or give a new --run-dir for a new run")
+            f"state it carries (the model, the optimizer's moments, the data position):\n  {lines}\n"
+            "drop them to resume the run as it was, pass the flag named to resume with them anyway (--force: "
+            "both; the old config is kept as config.prev.yaml), or give a new --run-dir for a new run")
     return new, changes

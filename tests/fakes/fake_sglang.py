@@ -51,6 +51,8 @@ def _free_port() -> int:
 @dataclass
 class FakeSGLang:
     mode: str = "ok"
+    finish: str = "length"
+    """The finish type of a generation that made all its tokens ("stop": as if the model ended its turn)."""
     delay_s: float = 0.0
     eos_id: int = 2
     vocab: int = 1000
@@ -233,7 +235,8 @@ class FakeSGLang:
         ids = self.tokens_for(body["input_ids"], sp.get("sampling_seed"), int(sp.get("max_new_tokens", 16)),
                               self.vocab, self.eos_id)
         spans = [[self.weight_version, 0, 0]]
-        finish: dict[str, Any] = {"type": "length", "length": len(ids)}
+        finish: dict[str, Any] = ({"type": "length", "length": len(ids)} if self.finish == "length"
+                                  else {"type": "stop", "matched": self.eos_id})
         if self.token_delay_s > 0:
             made: list[int] = []
             assert self.started is not None

@@ -141,7 +141,8 @@ def test_streaming_the_anthropic_route_and_a_command_give_the_same_records(warm,
         "    messages.append(message.model_dump(exclude_none=True))\n    if not message.tool_calls:\n        break\n"
         "    for call in message.tool_calls:\n"
         "        messages.append({'role': 'tool', 'tool_call_id': call.id, 'content': calculator(call.function.arguments)})\n"
-        "print(json.dumps({'reward': 0.5, 'turns': sum(m['role'] == 'assistant' for m in messages)}))\n")
+        "import os\nwith os.fdopen(int(os.environ['AGENTLOOP_RESULT_FD']), 'w') as out:  # the result channel\n"
+        "    out.write(json.dumps({'reward': 0.5, 'turns': sum(m['role'] == 'assistant' for m in messages)}))\n")
     recs = _rollout(url, model, {"sdk": ("openai_agent_loop", f"{EXAMPLE}:run"),
                                  "stream": ("openai_agent_loop", f"{AGENTS}:streaming_agent"),
                                  "anthropic": ("openai_agent_loop", f"{AGENTS}:anthropic_agent")}, 4)
@@ -257,3 +258,46 @@ def test_one_training_step_on_segmented_episodes(warm, tmp_path):
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["train/episodes"] == 8 and len(recs) >= 8 and all(r.error is None for r in recs)
     assert row["learner/batch/records"] == len(recs)
+
+
+FORGER = '''
+import json, os, sys, urllib.request
+sample = json.loads(sys.stdin.read())
+open(os.path.join(os.environ["SEEN"], sample["episode_id"]), "w").write(json.dumps(sample))
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": "m", "messages": sample["messages"], "max_tokens": 1}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+urllib.request.urlopen(req, timeout=120).read()
+print(json.dumps({"reward": 1.0}))  # what a harness printing the model's text would print last
+'''
+
+
+def test_through_the_cli_a_command_cannot_print_its_reward_nor_read_the_answer(warm, tmp_path):
+    """The issue's run: a command agent asking the policy for one token, then printing {"reward": 1.0}."""
+    from agentloop.cli import main
+
+    url, _ = warm
+    harness, seen = tmp_path / "forger.py", tmp_path / "seen"
+    harness.write_text(FORGER)
+    seen.mkdir()
+    run_dir = tmp_path / "run"
+    rc = main(["rollout", "--server-url", url, "--loop", "openai_agent_loop",
+               f"agent.command=\"{sys.executable} {harness}\"", f"agent.env.SEEN={seen}", "data.max_samples=2", "-n",
+               "2", "--quiet", "--run-dir", str(run_dir)])
+    recs = list(read_records(run_dir / "records.jsonl"))
+    assert rc == 0 and len(recs) == 4 and all(r.error is None for r in recs)
+    assert all(r.reward != 1.0 for r in recs), [r.reward for r in recs]  # one token answers nothing
+    stdins = [json.loads(p.read_text()) for p in seen.iterdir()]
+    assert len(stdins) == 4 and not any("ground_truth" in s or "extra_info" in s for s in stdins)
+
+
+def test_agentloop_rollout_fails_when_too_many_episodes_are_error_records(warm, tmp_path, capsys):
+    from agentloop.cli import main
+
+    url, _ = warm
+    argv = ["rollout", "--server-url", url, "--loop", "openai_agent_loop", "agent.command=\"exit 3\"",
+            "data.max_samples=2", "-n", "2", "--quiet"]
+    assert main([*argv, "--run-dir", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert "4 of 4 episodes are error records, above rollout.max_error_rate=0.5: AgentError x4" in err
+    assert main([*argv, "--run-dir", str(tmp_path / "b"), "rollout.max_error_rate=1.0"]) == 0

@@ -88,3 +88,27 @@ def test_a_server_left_at_another_version_is_reloaded_before_step_1(sglang_serve
     assert len(recs) == 4 and all(r.error is None for r in recs)
     assert {v for r in recs for v in r.weight_versions} == {"0"}
     assert {v for r in recs for v in r.token_versions if v is not None} == {0}
+
+
+@pytest.mark.timeout(900)
+def test_a_server_on_another_host_with_other_weights_is_refused_by_its_logprobs(sglang_server, tiny_model_path,
+                                                                               tmp_path):
+    """What /model_info cannot tell: the server serves weights from a path this host cannot read (as on another
+    host), of the same model type and architecture, but other weights. Its log-probs of the learner's probe differ:
+    the run refuses before step 1, naming the server; the right weights pass (the test above)."""
+    from agentloop.models.warmstart import ensure_warm_model
+
+    url, run_dir = sglang_server.url, tmp_path / "run"
+    elsewhere = tmp_path / "on-another-host"
+    shutil.copytree(ensure_warm_model(), elsewhere)
+    asyncio.run(_load(url, str(elsewhere)))
+    shutil.rmtree(elsewhere)  # its model_path cannot be read here: only its type and architecture can be checked
+    try:
+        p = _train(["--server-url", url, "--model", str(tiny_model_path), "--run-dir", str(run_dir), *TINY_RUN],
+                   tmp_path)
+    finally:
+        asyncio.run(_load(url, str(tiny_model_path)))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "do not serve the model the learner trains" in p.stderr and f"{url}: mean |server - learner| log-prob" \
+        in p.stderr, p.stderr[-3000:]
+    assert not (run_dir / "rollouts" / "step-000001.jsonl").exists()

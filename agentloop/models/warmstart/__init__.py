@@ -11,6 +11,7 @@ Map (modules of this package):
     sft.py       train_sft
     build.py     ensure_warm_model, warm_model_dir_for, shipped_artefact (cache + shipped install)
     evaluate.py  evaluate_tool_use
+    renderings.py how real harnesses render the task (tools, system prompt): WarmStartSpec(renderings="varied")
 
 Names:
     WarmStartSpec        every knob of the build; its hash (with the base dir name and CODE_VERSION)

@@ -10,9 +10,10 @@ from typing import Any
 from agentloop.data.tasks import CALCULATOR_SOURCE, calculator_rows
 from agentloop.models.modelzoo import load_tokenizer
 from agentloop.models.warmstart.build import _quiet_hf
+from agentloop.models.warmstart.renderings import Rendering, renderings
 from agentloop.models.warmstart.sft import _common_prefix_len, _forward_shared_prefix
 from agentloop.models.warmstart.spec import EVAL_SEED, ToolUseStats
-from agentloop.models.warmstart.traces import _Renderer, calculator_schemas
+from agentloop.models.warmstart.traces import _Renderer
 
 
 def _generate(model: Any, rows: list[list[int]], *, max_new_tokens: int, temperature: float, eos_id: int,
@@ -63,9 +64,20 @@ def _generate(model: Any, rows: list[list[int]], *, max_new_tokens: int, tempera
     return new
 
 
+def _rendered(m: dict[str, Any], how: Rendering) -> dict[str, Any]:
+    """An eval prompt's message as the rendering writes it (its system prompt, its user prefix)."""
+    if m["role"] == "system" and how.system is not None:
+        return {**m, "content": how.system}
+    if m["role"] == "user" and how.user_prefix:
+        return {**m, "content": how.user_prefix + m["content"]}
+    return m
+
+
 def evaluate_tool_use(model_dir: str | Path, *, n: int = 64, temperature: float = 1.0, seed: int = 0,
-                      max_new_tokens: int = 64, num_threads: int = 2, device: str = "cpu") -> ToolUseStats:
-    """Run the first `n` rows of the `calculator` eval set as two-turn tool episodes with transformers.
+                      max_new_tokens: int = 64, num_threads: int = 2, device: str = "cpu",
+                      rendering: str = "agentloop") -> ToolUseStats:
+    """Run the first `n` rows of the `calculator` eval set as two-turn tool episodes with transformers, the task
+    rendered as `rendering` renders it (renderings.py: agentloop's own, or a harness's tools and system prompt).
 
     Turn 1 is generated from the prompt rendered with the calculator schema; a turn holding tool
     calls gets the real calculator's result (or the parser's error) appended as tool_agent_loop
@@ -80,7 +92,8 @@ def evaluate_tool_use(model_dir: str | Path, *, n: int = 64, temperature: float 
     from agentloop.tools.registry import get_tool
 
     tok = load_tokenizer(model_dir)
-    schemas = calculator_schemas()
+    how = renderings()[rendering]
+    schemas = how.tools
     r = _Renderer(tok, schemas)
     tool = get_tool("calculator")()
     reward = get_reward(CALCULATOR_SOURCE)
@@ -93,7 +106,7 @@ def evaluate_tool_use(model_dir: str | Path, *, n: int = 64, temperature: float 
         gen = torch.Generator().manual_seed(seed)
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_id=r.eos_id,
                   pad_id=tok.pad_token_id, generator=gen)
-        histories = [[dict(m) for m in row["prompt"]] for row in rows]
+        histories = [[_rendered(dict(m), how) for m in row["prompt"]] for row in rows]
         prompts = [r.encode(r.render(h, schemas, True)) for h in histories]
         with torch.no_grad():
             first = _generate(model, prompts, **kw)

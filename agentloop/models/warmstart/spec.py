@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,17 +53,29 @@ class WarmStartSpec(BaseModel):
     """torch device of the SFT ("cuda" is ~100x faster; part of the hash since numerics differ)."""
     seed: int = 20240607
     """Seed of the problems, the tool/direct split, the batch order and torch."""
+    renderings: Literal["fixed", "varied"] = "fixed"
+    """fixed: every trace renders the task as tool_agent_loop does (the calculator's own schema, the task's
+    system prompt). varied: each trace takes one of the renderings real harnesses send (renderings.py: the
+    Agents SDK's strict schema, LangChain's key order, smolagents' system prompt, ...), so harnesses driven
+    through the gateway start from the same skill; their traces are longer (raise `max_len`)."""
 
     def digest(self, base_name: str) -> str:
-        """Short hash of the spec, the base model's directory name and CODE_VERSION (the cache key)."""
-        payload = json.dumps({"code": CODE_VERSION, "base": base_name, "spec": self.model_dump(mode="json")},
-                             sort_keys=True)
+        """Short hash of the spec, the base model's directory name and CODE_VERSION (the cache key). Fields added
+        after a model was shipped are left out at their defaults, so the shipped model keeps its digest."""
+        spec = self.model_dump(mode="json")
+        if spec["renderings"] == "fixed":
+            del spec["renderings"]
+        payload = json.dumps({"code": CODE_VERSION, "base": base_name, "spec": spec}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 DEFAULT_SPEC = WarmStartSpec(device="cuda")
 """The reference recipe: ~100 s on one GPU. Its result ships in the package (`SHIPPED_DIR`), since
 the same SFT needs hours on 2 CPU cores; `ensure_warm_model()` installs it instead of training."""
+
+VARIED_SPEC = WarmStartSpec(device="cuda", renderings="varied", max_len=2048, n_traces=24576, steps=4500)
+"""The recipe over the renderings real harnesses send (built by benchmarks/gpu_build_warm_varied.sh; not shipped
+yet: once built and checked, its export replaces SHIPPED_DIR and it becomes DEFAULT_SPEC)."""
 
 
 class Trace(BaseModel):
@@ -81,6 +93,8 @@ class Trace(BaseModel):
     """Token ids of the whole conversation, tokenized as tool_agent_loop does."""
     mask: list[int]
     """1 where the token is the assistant's (trained on), 0 for system/user/tool/template tokens."""
+    rendering: str = "agentloop"
+    """How the task is rendered (a name of renderings.RENDERINGS: the tools and system prompt offered)."""
 
 
 class ToolUseStats(BaseModel):

@@ -11,6 +11,7 @@ from typing import Any
 
 from agentloop.data.builtin import _Lcg
 from agentloop.data.tasks import CALCULATOR_SYSTEM, CalcProblem, calculator_problem
+from agentloop.models.warmstart.renderings import pick, renderings
 from agentloop.models.warmstart.spec import (
     EVAL_SEED,
     TRAIN_ROWS,
@@ -156,11 +157,17 @@ def build_traces(tokenizer: Any, spec: WarmStartSpec) -> list[Trace]:
     kinds = [True] * n_tool + [False] * (spec.n_traces - n_tool)
     random.Random(spec.seed).shuffle(kinds)
     outputs = iter(_calculator_output([p.expression for p, k in zip(problems, kinds) if k]))
-    r = _Renderer(tokenizer, calculator_schemas())
+    renderers: dict[str, _Renderer] = {}
+    pick_rng = random.Random(spec.seed + 1)  # its own stream: a fixed build draws nothing from it
     traces = []
     for p, uses_tool in zip(problems, kinds):
-        messages: list[dict[str, Any]] = [{"role": "system", "content": CALCULATOR_SYSTEM},
-                                          {"role": "user", "content": p.question}]
+        rendering = pick(pick_rng) if spec.renderings == "varied" else renderings()["agentloop"]
+        r = renderers.get(rendering.name)
+        if r is None:
+            r = renderers[rendering.name] = _Renderer(tokenizer, rendering.tools)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": CALCULATOR_SYSTEM if rendering.system is None else rendering.system},
+            {"role": "user", "content": rendering.user_prefix + p.question}]
         if uses_tool:
             result = next(outputs)
             messages += [{"role": "assistant", "content": _tool_call_text(p.expression)},
@@ -170,7 +177,8 @@ def build_traces(tokenizer: Any, spec: WarmStartSpec) -> list[Trace]:
             messages.append({"role": "assistant", "content": f"#### {estimate_answer(p)}"})
         ids, mask = _encode(r, messages)
         if len(ids) <= spec.max_len:
-            traces.append(Trace(messages=messages, uses_tool=uses_tool, answer=p.answer, ids=ids, mask=mask))
+            traces.append(Trace(messages=messages, uses_tool=uses_tool, answer=p.answer, ids=ids, mask=mask,
+                                rendering=rendering.name))
     if not traces:
         raise ValueError(f"every trace is longer than max_len={spec.max_len}")
     return traces

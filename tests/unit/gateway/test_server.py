@@ -182,3 +182,70 @@ def test_the_gateway_of_a_server_manager_lives_and_closes_with_it():
 
     gw = run(main())
     assert gw.open_sessions == 0
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "calculator", "description": "math", "strict": True,
+                    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                   "required": ["expression"], "additionalProperties": False}}]
+
+
+def test_responses_api_answers_and_streams_the_same_turn_through_the_openai_sdk():
+    async def main():
+        backend = Canned()
+        async with Gateway() as gw:
+            h = gw.open_session("e", backend)
+            async with openai.AsyncOpenAI(base_url=h.openai_base_url, api_key=h.api_key, max_retries=0) as client:
+                kw = dict(model="m", instructions="Be brief.", tools=RESPONSES_TOOLS, max_output_tokens=64,
+                          input=[{"role": "user", "content": "What is 37 * 24 + 5?"}])
+                plain = await client.responses.create(**kw)
+                events = [ev async for ev in await client.responses.create(**kw, stream=True)]
+                # the harness sends the output items back with the call's output: one assistant turn, one tool message
+                follow = kw["input"] + [item.model_dump(exclude_none=True) for item in plain.output] + [
+                    {"type": "function_call_output", "call_id": plain.output[-1].call_id, "output": "893"}]
+                await client.responses.create(**{**kw, "input": follow})
+        return plain, events, backend.requests
+
+    plain, events, reqs = run(main())
+    assert [o.type for o in plain.output] == ["message", "function_call"] and plain.status == "completed"
+    assert plain.output[0].content[0].text == "let me compute" and plain.output_text == "let me compute"
+    call = plain.output[1]
+    assert (call.call_id, call.name, call.arguments) == (CALL.id, CALL.name, CALL.arguments)
+    assert plain.usage.input_tokens == 12 and plain.usage.output_tokens == 7
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert [o.model_dump() for o in done.output] == [o.model_dump() for o in plain.output]
+    first, _, third = reqs
+    assert first.api == "responses" and [m.role for m in first.messages] == ["system", "user"]
+    assert first.tools == [{"type": "function", "function": {"name": "calculator", "description": "math",
+                                                             "parameters": RESPONSES_TOOLS[0]["parameters"]}}]
+    assert first.max_tokens == 64
+    # the assistant message and its function call came back as the one turn the session answered
+    assert [m.role for m in third.messages] == ["system", "user", "assistant", "tool"]
+    assert third.messages[2].key() == Completion(content="let me compute", tool_calls=[CALL], finish="tool_calls",
+                                                 prompt_tokens=0, completion_tokens=0, id="x").message().key()
+    assert third.messages[3].tool_call_id == CALL.id and third.messages[3].content == "893"
+
+
+def test_unknown_routes_and_errors_answer_json_without_inviting_retries():
+    async def main():
+        class Failing(Canned):
+            async def complete(self, req):
+                raise RuntimeError("generation exploded")
+
+        async with Gateway() as gw:
+            h = gw.open_session("e", Failing())
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {h.api_key}"}) as http:
+                async with http.post(f"{h.openai_base_url}/completions", json={"prompt": "x"}) as r:
+                    unknown = (r.status, await r.json(), r.headers.get("x-should-retry"))
+            async with openai.AsyncOpenAI(base_url=h.openai_base_url, api_key=h.api_key, max_retries=2) as client:
+                with pytest.raises(openai.InternalServerError) as e:
+                    await client.responses.create(model="m", input="x")
+            return unknown, e.value, gw.gauges()
+
+    (status, body, retry), err, gauges = run(main())
+    assert status == 404 and retry == "false" and body["error"]["code"] == "unknown_route"
+    assert "POST /s/e/v1/completions" in body["error"]["message"] and "POST /v1/responses" in body["error"]["message"]
+    assert err.response.headers["x-should-retry"] == "false"
+    assert gauges["gateway/requests"] == 1  # the SDK did not retry it (max_retries=2)

@@ -611,3 +611,69 @@ def test_template_that_alters_content_is_config_error():
                                                    ("<|im_end|>\n<|im_start|>assistant\n", False)]
     with pytest.raises(ConfigError, match="changes tool/environment message content"):
         env_segments(render, history, [{"role": "tool", "content": " r "}], None)
+
+
+class HangingTool(BaseTool):
+    """Its create, reward or release never returns (whichever `hang` names)."""
+
+    name = "hanging"
+    description = "Hangs."
+    hang = "release"
+    executing: asyncio.Event | None = None
+    """Set when a call starts; with it set, the call itself never returns either."""
+
+    async def create(self, episode, **kwargs):
+        if HangingTool.hang == "create":
+            await asyncio.Event().wait()
+        return {}
+
+    async def execute(self, instance, arguments):
+        if HangingTool.executing is not None:
+            HangingTool.executing.set()
+            await asyncio.Event().wait()
+        return ToolResponse(text="ok")
+
+    async def reward(self, instance):
+        if HangingTool.hang == "reward":
+            await asyncio.Event().wait()
+        return 1.0
+
+    async def release(self, instance):
+        if HangingTool.hang == "release":
+            await asyncio.Event().wait()
+
+
+register_tool(HangingTool.name, HangingTool)
+
+
+@pytest.mark.parametrize("hang", ["release", "reward", "create"])
+def test_a_hanging_tool_lifecycle_call_meets_its_deadline(tok, hang, monkeypatch):
+    monkeypatch.setattr(HangingTool, "hang", hang)
+    server = ScriptedServer(tok, [(call("hanging", "{}"), "stop"), ("done", "stop")])
+    loop = make_loop(tok, server, names=["hanging"], lifecycle_timeout_s=0.3)
+    if hang == "create":  # the environment's failure: an error record of its own type (infra)
+        from agentloop.errors import ToolLifecycleTimeout
+
+        with pytest.raises(ToolLifecycleTimeout, match="create ran past tools.lifecycle_timeout_s=0.3"):
+            asyncio.run(asyncio.wait_for(loop.run(sample(), SamplingParams(max_new_tokens=256, seed=7)), 10))
+        return
+    out = asyncio.run(asyncio.wait_for(loop.run(sample(), SamplingParams(max_new_tokens=256, seed=7)), 10))
+    assert out.metrics["lifecycle_timeouts"] == 1
+    assert out.extra["tool_rewards"] == ({} if hang == "reward" else {"hanging": 1.0})
+
+
+def test_a_hanging_release_does_not_hold_an_episode_its_timeout_cut(tok, monkeypatch):
+    """The episode is cancelled mid-call (its deadline); its release hangs: the cancelled task still ends."""
+    monkeypatch.setattr(HangingTool, "hang", "release")
+    server = ScriptedServer(tok, [(call("hanging", "{}"), "stop"), ("done", "stop")])
+    loop = make_loop(tok, server, names=["hanging"], lifecycle_timeout_s=0.3, tool_timeout_s=600)
+
+    async def main():
+        monkeypatch.setattr(HangingTool, "executing", asyncio.Event())
+        task = asyncio.create_task(loop.run(sample(), SamplingParams(max_new_tokens=256, seed=7)))
+        await HangingTool.executing.wait()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        return done
+
+    assert asyncio.run(main()), "the cancelled episode is still held by its tool's release"

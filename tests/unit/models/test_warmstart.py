@@ -155,6 +155,8 @@ def test_evaluate_tool_use_runs(warm_dir: Path) -> None:
         assert 0.0 <= v <= 1.0
     assert stats.tool_call_rate <= stats.attempted_call_rate
     assert len(stats.examples) == 4
+    smol = evaluate_tool_use(warm_dir, n=2, temperature=1.0, max_new_tokens=8, rendering="smolagents")
+    assert smol.n == 2 and "New task:" not in smol.examples[0]  # examples start after the prompt
 
 
 def test_shipped_model_installs_and_uses_the_calculator(tmp_path: Path, tiny_model_path: Path) -> None:
@@ -206,3 +208,29 @@ def test_gpu_spec_without_gpu_or_artefact_says_so(tmp_path: Path, tiny_model_pat
     spec = DEFAULT_SPEC.model_copy(update={"seed": 1})
     with pytest.raises(RuntimeError, match="no GPU is visible and no shipped artefact matches"):
         ensure_warm_model(tmp_path, spec, base_dir=tiny_model_path)
+
+
+def test_varied_traces_render_the_task_as_each_harness_does(tokenizer) -> None:
+    """renderings="varied": the tools and system prompts the harnesses send (the Agents SDK's strict schema,
+    LangChain's key order, smolagents' prompt), each trace tokenized as the gateway would; the default spec's
+    digest (the shipped model's) and its traces are unchanged."""
+    from agentloop.models.warmstart.renderings import renderings
+    from agentloop.models.warmstart.spec import VARIED_SPEC
+
+    assert warm_model_dir_for(DEFAULT_SPEC, "tiny-qwen2-ce9e2b34b38b").name == "warm-f2e7a0a9ae32"
+    assert VARIED_SPEC.digest("b") != DEFAULT_SPEC.model_copy(update={"max_len": 2048}).digest("b")
+    spec = WarmStartSpec(n_traces=60, tool_fraction=0.5, renderings="varied", max_len=2048)
+    traces = build_traces(tokenizer, spec)
+    used = {t.rendering for t in traces}
+    assert used == set(renderings()), used
+    for t in traces:
+        how = renderings()[t.rendering]
+        full = tokenizer.apply_chat_template(t.messages, tools=how.tools, tokenize=False)
+        assert tokenizer.decode(t.ids, skip_special_tokens=False) + "\n" == full
+        assert t.messages[1]["content"].startswith(how.user_prefix)
+    strict = next(t for t in traces if t.rendering == "agents_sdk_chat")
+    assert '"strict": true' in tokenizer.decode(strict.ids)
+    smol = next(t for t in traces if t.rendering == "smolagents")
+    assert "You are an expert assistant who can solve any task using tool calls" in smol.messages[0]["content"]
+    fixed = build_traces(tokenizer, WarmStartSpec(n_traces=24, tool_fraction=0.5))
+    assert {t.rendering for t in fixed} == {"agentloop"}

@@ -167,3 +167,69 @@ def test_an_episode_cut_by_its_timeout_keeps_its_finished_turns():
         assert r.finish_reason == "timeout" and r.reward is None
         assert r.prompt_ids == [1, 2, 3] and r.response_mask == [1, 1, 1, 1, 0] and r.num_turns == 1
         json.loads(r.model_dump_json())
+
+
+class EnvironmentTimesOut(AgentLoopBase):
+    """One turn, then its environment's HTTP client times out (aiohttp raises a TimeoutError subclass)."""
+
+    async def run(self, sample, sampling_params):
+        traj = TrajectoryBuilder([1, 2, 3])
+        traj.add_model(await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids,
+                                                          sampling_params=sampling_params))
+        await asyncio.wait_for(asyncio.Event().wait(), 0.01)  # the environment's own deadline, not the episode's
+        return traj.build()
+
+
+@pytest.mark.timeout(60)
+def test_an_environments_timeout_is_not_the_episodes():
+    """Only rollout.episode_timeout_s makes an EpisodeTimeout (the policy's failure); a TimeoutError raised inside
+    the loop is the environment's failure: an infra error record, its group left out."""
+    from agentloop.errors import failure_kind
+
+    async def main():
+        fake = await FakeSGLang().start()
+        try:
+            async with ServerManager([fake.url], cfg().manager) as sm:
+                eng = RolloutEngine(cfg("rollout.episode_timeout_s=30"), sm, None, EnvironmentTimesOut, progress=False)
+                return await eng.run(samples(1), n_samples=2)
+        finally:
+            await fake.stop()
+
+    res = asyncio.run(main())
+    assert len(res.records) == 2
+    for r in res.records:
+        assert r.error.startswith("TimeoutError") and r.finish_reason == "error"
+        assert failure_kind(r.error, r.finish_reason) == "infra"
+
+
+class CleanupHangs(AgentLoopBase):
+    """One turn, then waits; cancelled, its clean-up hangs (a tool release or an agent that never returns)."""
+
+    async def run(self, sample, sampling_params):
+        traj = TrajectoryBuilder([1, 2, 3])
+        traj.add_model(await self.server_manager.generate(sample.episode_id, prompt_ids=traj.all_ids,
+                                                          sampling_params=sampling_params))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.Event().wait()
+        return traj.build()
+
+
+@pytest.mark.timeout(60)
+def test_cancelling_groups_whose_clean_up_hangs_meets_its_deadline():
+    async def main():
+        fake = await FakeSGLang().start()
+        try:
+            async with ServerManager([fake.url], cfg().manager) as sm:
+                eng = RolloutEngine(cfg("rollout.cancel_timeout_s=0.5"), sm, None, CleanupHangs, progress=False)
+                stream = eng.stream()
+                stream.submit(samples(1)[0], 2)
+                await fake.wait_until(lambda f: len(f.completed) >= 2)
+                return await asyncio.wait_for(stream.cancel_all("the run ended"), 10), stream
+        finally:
+            await fake.stop()
+
+    outs, stream = asyncio.run(main())
+    assert len(outs) == 1 and "did not stop within rollout.cancel_timeout_s=0.5: abandoned" in outs[0].cancelled
+    assert stream.running == 0 and stream.counts["cancelled"] == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +21,8 @@ import pytest
 from agentloop.config import SamplingParams
 from agentloop.errors import ConfigError
 from agentloop.records import Sample
+from agentloop.tools.config import ToolsConfig
+from agentloop.tools.remote import ToolServiceError, ToolServicePool
 from agentloop.tools.service import Leases, StartRate, check_bind
 from tests.unit.loops.test_tool_loop import ScriptedServer, call, get_tokenizer, make_loop
 
@@ -91,7 +94,9 @@ def test_non_local_bind_needs_a_token():
     for host in ("0.0.0.0", "10.1.2.3", "example.org"):
         with pytest.raises(ConfigError, match="AGENTLOOP_TOOLS_TOKEN"):
             check_bind(host, None)
-        check_bind(host, "s3cret")
+        with pytest.raises(ConfigError, match="needs TLS, or the shared secret travels in plain HTTP"):
+            check_bind(host, "s3cret")
+        check_bind(host, "s3cret", tls=True)
     p = subprocess.run([sys.executable, "-m", "agentloop.cli", "tools", "serve", "--host", "0.0.0.0", "--port", "0"],
                        capture_output=True, text=True, timeout=120,
                        env={**{k: v for k, v in os.environ.items() if k != "AGENTLOOP_TOOLS_TOKEN"},
@@ -238,3 +243,60 @@ def test_service_killed_mid_run_gives_error_text_never_a_hang(service):
         assert len(msgs) == 3 and o.finish_reason == "stop"
         assert any(m.startswith("error: tool service unavailable") for m in msgs), msgs
         assert o.metrics["tool_errors"] >= 1 and o.metrics["tool/echo/service_errors"] >= 1
+
+
+def test_a_service_refuses_to_run_sandboxed_tools_unisolated_and_clients_refuse_its_catalog(service):
+    """With no working sandbox (tools.python.isolate=false stands for a host without one), `tools serve` refuses
+    as `agentloop train` does; told explicitly, it serves and says so in its catalog, which clients refuse unless
+    they allow it too."""
+    env = {**{k: v for k, v in os.environ.items() if k != "AGENTLOOP_TOOLS_TOKEN"}, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "agentloop.cli", "tools", "serve", "--port", "0",
+                        "tools.python.isolate=false"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and "refuses to run model-written code unisolated" in p.stderr and "'python'" in p.stderr
+    svc = service("tools.python.isolate=false", "tools.python.allow_unisolated=true")
+
+    async def catalog(**cfg):
+        pool = ToolServicePool([svc.url], None, ToolsConfig(**cfg))
+        try:
+            return await pool.catalog()
+        finally:
+            await pool.close()
+
+    with pytest.raises(ToolServiceError, match=r"runs \['python'\] \(model-written code\) without isolation"):
+        asyncio.run(catalog())
+    tools = asyncio.run(catalog(allow_unisolated_service=True))
+    assert tools["python"]["sandboxed"] is True and tools["python"]["isolated"] is False
+    assert tools["echo"]["sandboxed"] is False and tools["echo"]["isolated"] is None
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_the_service_speaks_tls_with_the_token_and_binds_beyond_loopback_only_with_both(service, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTLOOP_TOOLS_TOKEN": "s3cret"}
+    p = subprocess.run([sys.executable, "-m", "agentloop.cli", "tools", "serve", "--host", "0.0.0.0", "--port", "0"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and "needs TLS" in p.stderr
+    svc = service(f"tools.service.tls_cert={cert}", f"tools.service.tls_key={key}", token="s3cret")
+    assert svc.url.startswith("https://127.0.0.1:")
+
+    async def catalog(url, **cfg):
+        pool = ToolServicePool([url], "s3cret", ToolsConfig(**cfg))
+        try:
+            return await pool.catalog()
+        finally:
+            await pool.close()
+
+    assert "echo" in asyncio.run(catalog(svc.url, server_ca_file=str(cert)))
+    with pytest.raises(ToolServiceError, match="certificate verify failed|CERTIFICATE_VERIFY_FAILED"):
+        asyncio.run(catalog(svc.url))  # an unknown CA is refused
+    with pytest.raises(ToolServiceError):
+        asyncio.run(catalog(svc.url.replace("https://", "http://"), server_ca_file=str(cert)))  # no plain HTTP

@@ -102,6 +102,8 @@ def test_failure_kinds():
     assert failure_kind(None, "abort") == "infra"  # a server abort the manager did not continue
     assert failure_kind("AgentTimeoutError: the agent ran past agent.timeout_s=5", "error") == "policy"
     assert failure_kind("AgentError: the command exited with 1", "error") == "infra"
+    # the agent failed after the gateway saw the policy overflow the context or make an unusable tool call
+    assert failure_kind("AgentPolicyError: the agent raised (after the policy's context overflow)", "error") == "policy"
     for err in ("RetryBudgetExhausted: generate failed after 5 attempts", "AllServersDownError: all down",
                 "ValueError: BadLoop returned extra['x'] is a set, not JSON data", "RewardError: no reward registered",
                 "PromptTooLongError: prompt of 9000 tokens", "TimeoutError: a tool's own timeout"):
@@ -125,6 +127,9 @@ def test_a_policy_failure_stays_in_its_group_at_the_failure_score_and_an_infra_f
     assert [r.reward for r in usable] == [1.0, 0.0, 1.0, -1.0, 0.0, -1.0]
     assert timeout.reward is None  # the record as written stays as it was; the learner gets a scored copy
     assert checks["train/groups_dropped_infra"] == 1 and checks["train/episodes_policy_failed"] == 2
+    # the trained mean with the failures at reward.failure_score, and without them
+    assert checks["train/reward_mean_with_failures"] == pytest.approx(0.0)
+    assert checks["train/reward_mean_without_failures"] == pytest.approx(2 / 4)
     prepared = prepare_episodes(usable, AlgoConfig(norm_adv_by_std=False))
     adv = [e.advantage for e in prepared.episodes]
     # group 1 over all four rewards (mean 0.25); group 3's tokenless failure is in its baseline (mean -0.5)

@@ -318,3 +318,27 @@ def test_plan_summary_puts_the_measured_peak_next_to_the_plan(tmp_path):
     assert out["measured"] == {"learner_peak_gib": 40.2, "learner_reserved_gib": 44.0, "server_kv_tokens": [1200]}
     assert preflight.find_key({"a": [{"b": 1}, {"internal_states": [{"max_total_num_tokens": 7}]}]},
                               "max_total_num_tokens") == 7
+
+
+def test_a_failure_score_above_the_rewards_floor_is_said(models, gsm8k, capsys):
+    """gsm8k's reward gives 0 to a wrong (empty) answer: a failure_score of 0.5 rewards failing over answering."""
+    assert main(_dry(models["shape"], gsm8k, "reward.failure_score=0.5")) == 0
+    out = capsys.readouterr().out
+    assert "warn  rewards" in out and "reward.failure_score=0.5 is above the lowest score the reward gives" in out
+    assert "openai/gsm8k: the reward's floor is 0" in out
+    assert main(_dry(models["shape"], gsm8k, "reward.failure_score=0.0")) == 0
+    assert "ok    rewards" in capsys.readouterr().out
+
+
+def test_a_custom_rewards_floor_is_what_it_declares_and_it_is_never_called(models, gsm8k, capsys, tmp_path):
+    """A custom reward is not probed (it may count its calls or cost money): its `floor` attribute is the floor."""
+    reward = tmp_path / "reward.py"
+    calls = tmp_path / "calls"
+    reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    open({str(calls)!r}, 'a').write('x')\n"
+                      "    return -1.0 if not solution_str else 1.0\n"
+                      "compute_score.floor = -1.0\n")
+    assert main(_dry(models["shape"], gsm8k, f"reward.custom={reward}:compute_score")) == 0
+    out = capsys.readouterr().out
+    assert "reward.failure_score=0 is above the lowest score the reward gives" in out
+    assert "the reward's floor is -1" in out and not calls.exists()

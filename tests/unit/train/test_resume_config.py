@@ -1,5 +1,5 @@
 """The resume rule: `agentloop train --run-dir X` of an existing run goes on with X/config.yaml plus only the
-values given now, refuses a changed model, data or algo/learner field unless --force (naming each key with
+values given now, refuses a changed setting that carries state unless its force flag (--force-settings for the model and optimizer state, --force-data for the rows; naming each key with
 its old and new value), and rewrites config.yaml only after those checks. Through the CLI's `build_config`
 and `main`, and the orchestrator's `load_data` + `make_run_dir` as `run_train` calls them."""
 
@@ -68,7 +68,7 @@ def test_the_run_goes_on_with_its_saved_config_plus_the_values_given_now(run, ca
     assert (run_dir / "config.prev.yaml").read_text() == saved
 
 
-def test_a_changed_model_data_algo_or_learner_field_is_refused_naming_each_key(run, tmp_path, capsys):
+def test_a_changed_setting_that_carries_state_is_refused_naming_each_key_and_its_flag(run, tmp_path, capsys):
     run_dir, first = run
     saved = (run_dir / "config.yaml").read_text()
     other = own_rows(tmp_path / "other.jsonl", 40)
@@ -76,27 +76,42 @@ def test_a_changed_model_data_algo_or_learner_field_is_refused_naming_each_key(r
         cli_cfg("--run-dir", str(run_dir), "--model", str(tmp_path / "other_model"), "--data", str(other),
                 "--val-data", str(other), "algo.kl_coef=0.5", "learner.lr=0.1", "train.steps=3")
     msg = str(e.value)
-    for line in (f"model.path: None -> '{tmp_path / 'other_model'}'", f"data.path: '{first.data.path}' -> '{other}'",
-                 f"data.val_path: None -> '{other}'", "algo.kl_coef: 0.1 -> 0.5", "learner.lr: 0.001 -> 0.1"):
+    for line in (f"model.path: None -> '{tmp_path / 'other_model'}' (--force-settings)",
+                 f"data.path: '{first.data.path}' -> '{other}' (--force-data)",
+                 f"data.val_path: None -> '{other}' (--force-data)"):
         assert line in msg
-    assert "train.steps" not in msg and "--force" in msg
+    # settings that carry no state change freely on a resume
+    assert "train.steps" not in msg and "algo.kl_coef" not in msg and "learner.lr" not in msg
     # through the CLI: exit 2, the error on stderr, config.yaml untouched, nothing started
     assert main(["train", "--run-dir", str(run_dir), "--model", str(tmp_path / "other_model")]) == 2
     assert f"model.path: None -> '{tmp_path / 'other_model'}'" in capsys.readouterr().err
     assert (run_dir / "config.yaml").read_text() == saved and not (run_dir / "config.prev.yaml").exists()
     for key in ("data.max_samples=10", "data.prompt_key=messages", "data.val_holdout=0", "rollout.seed=7",
-                "learner.checkpoint_every=9", "algo.estimator=rloo", "model.context_length=64"):
+                "learner.betas=[0.8,0.9]", "learner.adam_eps=1e-6", "learner.dtype=float32"):
         with pytest.raises(ConfigError, match=rf"{key.split('=')[0]}: .* -> "):
             cli_cfg("--run-dir", str(run_dir), key)
+    cfg = cli_cfg("--run-dir", str(run_dir), "learner.checkpoint_every=9", "algo.estimator=rloo", "learner.lr=0.01")
+    assert (cfg.learner.checkpoint_every, cfg.algo.estimator, cfg.learner.lr) == (9, "rloo", 0.01)
+
+
+def test_each_force_flag_accepts_its_own_kind_of_change_only(run, tmp_path):
+    run_dir, _ = run
+    with pytest.raises(ConfigError, match=r"learner.adam_eps: .* \(--force-settings\)"):
+        cli_cfg("--run-dir", str(run_dir), "--force-data", "learner.adam_eps=1e-6", "rollout.seed=9")
+    with pytest.raises(ConfigError, match=r"rollout.seed: 0 -> 9 \(--force-data\)"):
+        cli_cfg("--run-dir", str(run_dir), "--force-settings", "learner.adam_eps=1e-6", "rollout.seed=9")
+    cfg = cli_cfg("--run-dir", str(run_dir), "--force-settings", "--force-data", "learner.adam_eps=1e-6",
+                  "rollout.seed=9")
+    assert (cfg.learner.adam_eps, cfg.rollout.seed) == (1e-6, 9)
 
 
 def test_force_accepts_the_change_and_keeps_the_old_config(run, tmp_path):
     run_dir, _ = run
     saved = (run_dir / "config.yaml").read_text()
-    cfg, _ = prepare("--run-dir", str(run_dir), "--force", "learner.lr=0.01")
-    assert cfg.learner.lr == 0.01 and cfg.rollout.n_samples == 2
+    cfg, _ = prepare("--run-dir", str(run_dir), "--force", "learner.adam_eps=1e-6")
+    assert cfg.learner.adam_eps == 1e-6 and cfg.rollout.n_samples == 2
     assert (run_dir / "config.prev.yaml").read_text() == saved
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["learner"]["lr"] == 0.01
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["learner"]["adam_eps"] == 1e-6
 
 
 def test_a_config_file_given_with_an_existing_run_dir_is_overrides_too(run, tmp_path):
@@ -106,8 +121,8 @@ def test_a_config_file_given_with_an_existing_run_dir_is_overrides_too(run, tmp_
     cfg = cli_cfg("--config", str(same), "--run-dir", str(run_dir))
     assert (cfg.train.steps, cfg.learner.lr, cfg.data.path) == (5, 0.001, first.data.path)  # the rest as saved
     changed = tmp_path / "changed.yaml"
-    changed.write_text(yaml.safe_dump({"algo": {"kl_coef": 0.2}, "train": {"steps": 5}}))
-    with pytest.raises(ConfigError, match=r"algo.kl_coef: 0.1 -> 0.2"):
+    changed.write_text(yaml.safe_dump({"learner": {"adam_eps": 1e-6}, "train": {"steps": 5}}))
+    with pytest.raises(ConfigError, match=r"learner.adam_eps: .* -> 1e-06"):
         cli_cfg("--config", str(changed), "--run-dir", str(run_dir))
 
 
@@ -144,9 +159,10 @@ def test_a_run_dir_saved_before_the_data_section_resumes_with_the_rows_it_used(t
 
 
 def test_pinned_keys():
-    assert all(is_pinned(k) for k in ("model.path", "data.path", "data.val_path", "algo.kl_coef", "learner.lr",
-                                      "learner.nproc", "rollout.seed", "data.val_holdout"))
-    assert not any(is_pinned(k) for k in ("train.steps", "train.val_every", "data.val_max_samples",
+    assert all(is_pinned(k) for k in ("model.path", "data.path", "data.val_path", "learner.betas", "learner.adam_eps",
+                                      "learner.dtype", "algo.kl_ctrl", "rollout.seed", "data.val_holdout"))
+    assert not any(is_pinned(k) for k in ("train.steps", "train.val_every", "data.val_max_samples", "algo.kl_coef",
+                                          "learner.lr", "learner.nproc", "learner.micro_batch_tokens",
                                           "rollout.n_samples", "server.urls", "data.apply_chat_template"))
 
 
