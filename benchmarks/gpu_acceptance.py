@@ -625,7 +625,7 @@ def check_plan(r: Row, run: Path) -> None:
                     wait_for(lambda: (run / "rollouts" / "step-000001.jsonl").is_file(), p, 400, "step 1's records")
                     code = ("import ray, sys\n"
                             "from agentloop.cluster.backend import use_ray_token\n"
-                            "use_ray_token()\n"  # `ray start --head` turned token authentication on
+                            f"use_ray_token({address!r})\n"  # `ray start --head` turned token authentication on
                             f"ray.init(address={address!r}, namespace='agentloop', log_to_driver=False)\n"
                             f"v = ray.get_actor('agentloop-{run.name}-server1')\n"
                             "print(ray.get(v.info.remote(), timeout=60)['url'])\n"

@@ -49,7 +49,7 @@ class RayBackend(Backend):
                 need = (self.cfg.server.num_local + self.cfg.learner.nproc + c.rollout_workers) * c.cpus_per_actor
                 kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
             else:
-                use_ray_token()
+                use_ray_token(c.address)
             # "local": a new instance for the run even where another cluster runs on this machine (address None
             # would join that one, and refuse num_cpus)
             ray.init(address=c.address or "local", **kw)
@@ -119,19 +119,30 @@ class RayBackend(Backend):
             self._connected = False
 
 
-def use_ray_token() -> bool:
-    """Before joining a running cluster (cluster.address): Ray 2.60's `ray start --head` turns token authentication on
-    and writes the token (~/.ray/auth_token), but a client that joins by address sends it only in token mode, and
-    otherwise retries "Authentication token is missing or incorrect" until it gives up. Where RAY_AUTH_MODE is unset
-    and Ray finds a token here, token mode is switched on for this process and its children, by Ray's own call for
-    it (a cluster without authentication ignores the token). True if it was."""
-    if "RAY_AUTH_MODE" in os.environ:
+def use_ray_token(address: str) -> bool:
+    """Before joining the running cluster at `address` (cluster.address): Ray 2.60's `ray start --head` turns token
+    authentication on (its token in ~/.ray/auth_token), and a client joining by address sends the token only in token
+    mode; otherwise it retries "Authentication token is missing or incorrect" until it gives up. A cluster started
+    without authentication (`RAY_AUTH_MODE=disabled`, Ray's own test clusters) in turn refuses a client in token mode.
+    So, where RAY_AUTH_MODE is unset, the cluster is asked once without a token: when it refuses for want of one and
+    Ray finds a token here, token mode is switched on for this process and its children, by Ray's own call for it.
+    True if it was."""
+    if "RAY_AUTH_MODE" in os.environ or address in ("auto", "local") or "://" in address:
         return False
     try:
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available,
         )
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
     except ImportError:  # a Ray without token authentication
+        return False
+    try:
+        GcsClient(address=address).internal_kv_get(b"agentloop-probe", None)
+        return False  # it let this client in as it is
+    except AuthenticationError:
+        pass
+    except Exception:  # noqa: BLE001 - down, unreachable, not a GCS: ray.init says what is wrong
         return False
     return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
 

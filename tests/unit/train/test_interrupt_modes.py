@@ -95,13 +95,14 @@ def test_disk_push_in_every_mode_keeps_the_server_alive(mode, flush_model, tmp_p
 
 
 def test_unflushable_server_is_ejected_not_left_with_stale_cache(tmp_path):
-    """retract on a server whose flush is refused even once the retracted calls answered: ejected."""
+    """retract on a server whose flush is refused even once the retracted calls answered, for all of
+    manager.flush_timeout_s: ejected (its cache holds the old weights' KV)."""
     async def main():
         fake = await FakeSGLang(token_delay_s=0.01, flush_model="0.5.17").start()
         fake.refuse.add("/flush_cache")
         try:
             lines: list[str] = []
-            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0,
+            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60, flush_timeout_s=0.5), initial_version=0,
                                      on_event=lines.append) as sm:
                 await sm.pause("retract")
                 await sm.finish_update(interrupt_policy("retract"))
