@@ -16,7 +16,7 @@ itself. Nothing inside the package imports this file (the public API re-exports 
     cli         cli.py                                   the command line
     bench       bench/                                   benchmarks (`agentloop bench ...`)
     cluster     cluster/                                 the Ray backend of `agentloop train`: server and learner actors
-    train       train/                                   `agentloop train`: orchestrator, learner handle, weight transport, learner
+    train       train/                                   `agentloop train`, in rooms by process role (their own table: agentloop/train/__init__.py)
     rollout     rollout/                                 the engine, scoring, run summary, `agentloop rollout`
     report      report/                                  progress line, step log, curves, trace pages
     models      models/                                  tiny model, warm start, model and tokenizer loading

@@ -131,7 +131,7 @@ def build_config(args: argparse.Namespace) -> Any:
     resumed = _existing_run_dir(args) if args.command == "train" else None
     if resumed is not None:
         # an existing run goes on with its own config: the values given now are overrides of it (no preset)
-        from agentloop.train.resume import resume_config
+        from agentloop.train.orchestrator.resume import resume_config
 
         cfg, changes = resume_config(resumed, args.config, list(args.overrides) + _flag_overrides(args),
                                      force=args.force, force_settings=args.force_settings,
@@ -539,7 +539,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "learner-node":
         import subprocess
 
-        from agentloop.train.learner_process import node_command
+        from agentloop.train.orchestrator.learner_process import node_command
 
         cmd = node_command(args.run_dir)
         print(f"agentloop learner-node: {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -582,12 +582,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 1
         return 0
     if args.command == "train" and args.dry_run:
-        from agentloop.train.orchestrator import dry_run
+        from agentloop.train.orchestrator.loop import dry_run
 
         dry_run(cfg)
         return 0
     if args.command == "train":
-        from agentloop.train.orchestrator import run_train
+        from agentloop.train.orchestrator.loop import run_train
 
         run_dir, final = run_train(cfg, force=args.force or args.force_data, backend=_backend(cfg))
         m = final.get("metrics", {})

@@ -78,7 +78,7 @@ class ServerConfig(Section):
     `agentloop train` leaves the pool to the memory plan (None) unless this is set."""
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
     """GPU memory fraction for weights + KV cache on local CUDA servers. None: `agentloop train` plans it
-    (agentloop.train.plan: next to the learner on a shared GPU, the weights and the KV of the episodes in
+    (agentloop.train.planning.memory: next to the learner on a shared GPU, the weights and the KV of the episodes in
     flight; alone on a GPU, SGLang's own sizing), `agentloop rollout` leaves it to SGLang."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed verbatim to `sglang.launch_server`."""
@@ -338,7 +338,7 @@ class TrainConfig(Section):
 
 class ClusterConfig(Section):
     """Where `agentloop train` runs its servers and learner (README, "Beyond one machine"), and the GPUs it plans
-    its memory for (agentloop.train.plan)."""
+    its memory for (agentloop.train.planning.memory)."""
 
     gpu_memory_gib: float | None = Field(default=None, gt=0)
     """Plan for GPUs of this size (GiB each, e.g. 80 for an H100), also on a machine without a GPU

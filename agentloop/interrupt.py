@@ -3,7 +3,7 @@
 One `InterruptPolicy` per mode says what the pause, the update and the prefix cache do. The orchestrator
 pauses and finishes the update with it (`ServerManager.pause`, `ServerManager.finish_update`), and the
 mode travels with every push: the disk path's update call and the learner's tensor/nccl payloads take
-their `flush_cache` from the same policy (agentloop.train.weight_sync), so no path can ask a server for
+their `flush_cache` from the same policy (agentloop.train.weights.sync), so no path can ask a server for
 a flush it cannot do.
 
 Why the flags are what they are (SGLang 0.5.17, the GPU bundle, and 0.5.23, the CPU engine):

@@ -24,7 +24,7 @@ def main() -> int:
     from agentloop.bench.train import TrainBenchConfig, synthetic_records
     from agentloop.models.modelzoo import ensure_tiny_model
     from agentloop.train.config import AlgoConfig, LearnerConfig
-    from agentloop.train.learner import Learner
+    from agentloop.train.trainer.learner import Learner
 
     model = ensure_tiny_model()
     bench = TrainBenchConfig(sequences=64, group_size=8, prompt_tokens=128, response_tokens=128, max_lag=lag)

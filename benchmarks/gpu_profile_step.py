@@ -28,7 +28,7 @@ def main() -> int:
         synthetic_records,
     )
     from agentloop.config import load_config
-    from agentloop.train.learner import Learner
+    from agentloop.train.trainer.learner import Learner
 
     cfg = load_config(None, ["learner.dtype=bfloat16", *overrides])
     model = resolve_bench_model("qwen2.5-0.5b-shape")

@@ -1,4 +1,4 @@
-"""GPU benchmark + correctness check of the three weight-sync paths of agentloop.train.weight_sync.
+"""GPU benchmark + correctness check of the three weight-sync paths of agentloop.train.weights.
 
 Run by benchmarks/gpu_weight_sync_paths.sh on a machine with 2 GPUs (sglang bundle installed).
 Builds a random Qwen2.5-0.5B-shaped bf16 model A (seed 0) and B = A + small noise (seed 1), and two
@@ -67,8 +67,10 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM  # noqa: E402
 
 from agentloop.train.config import LearnerConfig  # noqa: E402
-from agentloop.train.learner import Learner  # noqa: E402
-from agentloop.train.weight_sync import DiskSync, NcclSync, TensorSync  # noqa: E402
+from agentloop.train.trainer.learner import Learner  # noqa: E402
+from agentloop.train.weights.nccl import NcclSync  # noqa: E402
+from agentloop.train.weights.sync import DiskSync  # noqa: E402
+from agentloop.train.weights.tensor import TensorSync  # noqa: E402
 
 RES["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 RES["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "sglang": sglang.__version__}

@@ -18,7 +18,7 @@ Map:
     format_*, write_outputs, run_bench_train               tables, files, the CLI entry
 
 Who calls whom: run_bench_train -> learner_bench (in process, or `python -m agentloop.bench.train
---worker` on each torchrun rank) -> agentloop.train.learner.Learner; the loss, batching and
+--worker` on each torchrun rank) -> agentloop.train.trainer.learner.Learner; the loss, batching and
 optimizer are the learner's own, nothing is re-implemented here.
 
 FLOPs (the model of agentloop.train.flops). A step runs `ppo_epochs` training passes, plus one forward pass when
@@ -173,7 +173,7 @@ def learner_bench(bench: TrainBenchConfig, model_path: str | Path, algo: Any, cf
     import torch
     import torch.distributed as dist
 
-    from agentloop.train.learner import Learner
+    from agentloop.train.trainer.learner import Learner
 
     t_load = time.perf_counter()
     learner = Learner(model_path, algo, cfg)
@@ -236,7 +236,7 @@ def _report(bench: TrainBenchConfig, learner: Any, steps: list[dict[str, float]]
 
     seq = bench.prompt_tokens + bench.response_tokens - 1
     seq_lens = [seq] * bench.sequences
-    from agentloop.train.learner import needs_reference, old_logprob_pass
+    from agentloop.train.trainer.learner import needs_reference, old_logprob_pass
 
     interpolate = algo.old_logprobs == "recompute" and algo.proximal == "interpolate"
     fwd_passes = int(old_logprob_pass(algo, cfg) and not interpolate) + int(needs_reference(algo))
@@ -526,7 +526,7 @@ def run_bench_train(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any]
     if args.split_run_dir or args.full:
         if args.full:
-            from agentloop.train.orchestrator import run_train
+            from agentloop.train.orchestrator.loop import run_train
 
             cfg.train.steps = args.full_steps
             if args.bench_model and args.bench_model != "tiny":

@@ -6,7 +6,7 @@ transport) do the rest, as on one host.
                   launched with today's launcher on its node; HF weights directories shipped to each server's
                   node through Ray's object store when no filesystem is shared
     ray_learner   RayLearner: the learner's ranks as Ray actors in a placement group, forming their
-                  torch.distributed group themselves, each running the learner loop (agentloop.train.learner.serve)
+                  torch.distributed group themselves, each running the learner loop (agentloop.train.trainer.serve)
                   with batches and control through Ray (RayInbox); weights/checkpoints in `cluster.learner_dir`
     ray_rollout   rollout workers (cluster.rollout_workers): engine processes as actors running the asynchronous
                   schedule's groups, their ServerManagers following the driver's (pauses, versions, interrupts)

@@ -20,8 +20,8 @@ from agentloop.cluster.ray_servers import NAMESPACE, RayServerPool
 from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.inference.serving import ServerPool, UrlPool
-from agentloop.train.backend import Backend
-from agentloop.train.handle import LearnerHandle
+from agentloop.train.handle.protocol import LearnerHandle
+from agentloop.train.orchestrator.backend import Backend
 
 
 class RayBackend(Backend):

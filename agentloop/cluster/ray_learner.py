@@ -2,7 +2,7 @@
 
     LearnerRank   one rank: a threaded actor; `run` joins the torch.distributed group (rank 0's node address and a
                   port rank 0 picked, RANK/WORLD_SIZE/MASTER_* set by us, not by torchrun) and runs the learner loop
-                  (agentloop.train.learner.serve, FSDP2 as on one host) in `cluster.learner_dir`; rank 0's loop reads
+                  (agentloop.train.trainer.serve, FSDP2 as on one host) in `cluster.learner_dir`; rank 0's loop reads
                   its messages from a RayInbox that the orchestrator's calls (`submit`, `stop`, `allow_sync`) fill,
                   while `run` is still going (the actor takes several calls at once)
     RayInbox      the learner side of the handle in memory: the loop's LearnerInbox, the driver's queries
@@ -10,7 +10,7 @@
                   backend's, colocated), starts `run` on each, and turns their answers and deaths into the handle's
                   results and errors (an actor that died is LearnerDiedError naming it, never a hang)
 
-No shared filesystem: a step's batch goes to rank 0 as bytes (batch_plan.TrainBatch), results come back as
+No shared filesystem: a step's batch goes to rank 0 as bytes (a TrainBatch), results come back as
 values, and the weights a server loads are fetched from rank 0 (`manifest`, `read_chunk`) by the server pool, once
 per node. What stays on the learner's nodes is `cluster.learner_dir`: weights/, checkpoints/ and learner.log; it
 must be a path every learner node reaches (a shared filesystem when ranks span nodes) for checkpoints to be
@@ -38,8 +38,8 @@ from agentloop.cluster.ray_servers import _cause, actor_options
 from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.inference.launcher import pick_free_port
-from agentloop.train.batch_plan import TrainBatch
-from agentloop.train.handle import (
+from agentloop.train.batch.format import TrainBatch
+from agentloop.train.handle.protocol import (
     FinalResult,
     LearnerDiedError,
     LearnerFailedError,
@@ -47,11 +47,11 @@ from agentloop.train.handle import (
     LearnerInbox,
     LearnerInfo,
     LearnerTimeout,
+    PushOrder,
     SyncRequest,
     UpdateResult,
     WeightsOnDisk,
 )
-from agentloop.train.weight_sync import PushOrder
 from agentloop.util.fsio import atomic_write_json
 
 
@@ -70,7 +70,7 @@ class RayInbox(LearnerInbox):
         self.final_result: dict[str, Any] | None = None
         self.results_dir: Path | None = None
         """Where each step's result is also written (the learner's directory): a resumed run restores the row of a
-        step the learner finished before a stop (agentloop.train.orchestrator.recover_step_rows)."""
+        step the learner finished before a stop (agentloop.train.orchestrator.loop.recover_step_rows)."""
 
     # the loop's side (LearnerInbox) ----------------------------------------------------------
     def start(self) -> None:
@@ -181,7 +181,8 @@ class LearnerRank:
         import logging
 
         from agentloop.config import config_from_tree, validate_for_training
-        from agentloop.train.learner import log_to_stdout, logger, serve
+        from agentloop.train.trainer.main import log_to_stdout
+        from agentloop.train.trainer.serve import logger, serve
 
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})

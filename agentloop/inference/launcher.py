@@ -210,7 +210,7 @@ class LocalServer:
                 parts.append(env["PYTHONPATH"])
             env["PYTHONPATH"] = os.pathsep.join(parts)
         else:
-            # The weight-update NCCL group (learner + servers, agentloop.train.weight_sync) failed at its
+            # The weight-update NCCL group (learner + servers, agentloop.train.weights.sync) failed at its
             # first broadcast with "Cuda failure 'invalid argument'" on an H200 pair while NCCL used
             # cuMem handles across processes; the legacy IPC path works (0.07 s per 0.5B sync).
             env.setdefault("NCCL_CUMEM_ENABLE", "0")

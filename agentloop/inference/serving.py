@@ -46,8 +46,8 @@ class ServerPool(abc.ABC):
     async def stage(self, path: str, host: Any = None) -> str | dict[str, str]:
         """Where the servers read an HF directory of the learner's at `path`: the path itself (one host, or a
         filesystem every server sees), or a path per server URL (a pool that copies it to each server's node).
-        `host`: None when `path` is readable here; otherwise what holds it (agentloop.train.handle.WeightsOnDisk),
-        which only a pool that can fetch from it accepts."""
+        `host`: None when `path` is readable here; otherwise what holds it
+        (agentloop.train.handle.protocol.WeightsOnDisk), which only a pool that can fetch from it accepts."""
         if host is not None:
             raise ServerError(f"the weights {path} are on another node and this server pool reads only paths it "
                               "sees: use a shared filesystem, or the Ray backend's pool")

@@ -94,7 +94,7 @@ class _Section(BaseModel):
 
 class AlgoConfig(_Section):
     estimator: str = "grpo"
-    """Advantage estimator, a name in `agentloop.train.advantages.ESTIMATORS`: grpo, rloo, reinforce_pp."""
+    """Advantage estimator, a name in `agentloop.train.batch.advantages.ESTIMATORS`: grpo, rloo, reinforce_pp."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std. False = Dr. GRPO (mean baseline only)."""
     adv_eps: float = Field(default=1e-6, gt=0)
@@ -265,7 +265,7 @@ class LearnerConfig(_Section):
     lengths would exceed it (a longer sequence gets a micro-batch of its own)."""
     attention: Literal["auto", "varlen", "flex", "packed_sdpa", "padded"] = "auto"
     """How a micro-batch is laid out and how attention sees its sequence boundaries
-    (agentloop.train.batching, agentloop.train.attention). varlen: one packed row without padding,
+    (agentloop.train.trainer.collate, agentloop.train.trainer.attention). varlen: one packed row without padding,
     position ids per sequence, FlashAttention-2's variable-length kernels (aten's) over one segment per
     sequence, prompt or response (a response reads its shared prompt's keys: no masked pair is computed);
     CUDA with bf16/fp16 compute (on CPU an exact per-segment reference, for tests: slow). flex: the same
@@ -276,7 +276,7 @@ class LearnerConfig(_Section):
     model's head dimension and dtype, else flex (else packed_sdpa); padded on CPU."""
     share_prompt: Literal["auto", "on", "off"] = "auto"
     """Episodes with identical prompt tokens (a GRPO group) share one row: the prompt runs through the
-    model once, then each response attends to it and to itself only (agentloop.train.batching). Same
+    model once, then each response attends to it and to itself only (agentloop.train.trainer.collate). Same
     logprobs and gradients, fewer tokens computed. auto: with attention=varlen or flex always (neither
     computes the masked pairs, so sharing is never more work); with padded/packed_sdpa where the FLOP
     model says the dense row is cheaper; on: always; off: never."""
@@ -351,7 +351,7 @@ class LearnerConfig(_Section):
     batch_timeout_s: float = Field(default=3600.0, gt=0)
     """Mailbox: the learner exits with an error if no batch arrives for this long."""
     weight_sync: Literal["disk", "tensor", "nccl"] = "disk"
-    """How each step's weights reach the servers (agentloop.train.weight_sync). disk: rank 0 saves HF
+    """How each step's weights reach the servers (agentloop.train.weights.sync). disk: rank 0 saves HF
     safetensors to weights/step-N and the orchestrator calls /update_weights_from_disk (needs only a
     shared filesystem). tensor: rank 0 passes CUDA IPC handles to /update_weights_from_tensor (servers
     on the learner's host, able to see its GPU). nccl: rank 0 broadcasts to the servers over a NCCL group

@@ -9,14 +9,14 @@
     PRE_HEAD              model types that scale the hidden state before the head (exact as they are)
 
 Why the head: the learner computes logprobs from the final hidden states through the LM head itself, inside
-the model's forward (agentloop.train.logprobs); what the forward does to the head's output afterwards (Gemma-2's
+the model's forward (agentloop.train.trainer.logprobs); what the forward does to the head's output afterwards (Gemma-2's
 soft cap, Granite's and Cohere's scales) would land on the (logprob, entropy) pairs instead of on the logits. So
 the learner takes that step out of the model and applies it in its head, for every model in HEAD_TRANSFORMS;
 an unknown model type carrying one of the keys other architectures apply there is refused, and a forward that
 still changes the head's output is caught at the first forward pass (LogprobHead.returned_as_is).
 
 Why attention: the learner runs attention through SDPA with its own masks (padded or packed rows, shared
-prompts), FlashAttention varlen or FlexAttention (agentloop.train.attention). None of them applies an attention
+prompts), FlashAttention varlen or FlexAttention (agentloop.train.trainer.attention). None of them applies an attention
 logit soft cap, sinks, a sparse index or a position bias, each sequence is attended causally as a whole, and
 recurrent or state-space layers would carry their state across the sequences of a packed or shared row. A
 sliding window (or a chunked attention) is exact only while no sequence is longer than the window: `max_len`
@@ -99,6 +99,32 @@ _HEAD_BIAS = {"phi": None, "codegen": None, "gptj": None, "ctrl": None, "phimoe"
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a model applies to its LM head's output x before the softmax: logits = x * scale, then
+    softcap * tanh(logits / softcap) when `softcap` is set (check_model_support reads it from the
+    model's config). The identity for most models."""
+
+    scale: float = 1.0
+    """Granite: 1 / logits_scaling; Cohere: logit_scale; HyperCLOVAX: logits_scaling."""
+    softcap: float | None = None
+    """Gemma-2 and kin: final_logit_softcapping."""
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply(self, x: Any) -> Any:
+        """The model's logits from its raw head output (the plain, non-logprob path of LogprobHead)."""
+        import torch
+
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.softcap is not None:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x
+
+
 @dataclass
 class ModelSupport:
     """What `check_model_support` found."""
@@ -120,10 +146,8 @@ class ModelSupport:
     def ok(self) -> bool:
         return not self.problems
 
-    def transform(self) -> Any:
-        """The HeadTransform of agentloop.train.logprobs (imports torch)."""
-        from agentloop.train.logprobs import HeadTransform
-
+    def transform(self) -> HeadTransform:
+        """The HeadTransform the learner's logprob head (agentloop.train.trainer.logprobs) applies."""
         return HeadTransform(scale=self.head_scale, softcap=self.head_softcap)
 
     def message(self, where: str) -> str:

@@ -31,8 +31,8 @@ from agentloop.interrupt import interrupt_policy
 from agentloop.loops.base import TrajectoryBuilder
 from agentloop.records import read_records
 from agentloop.server_manager import ServerManager
-from agentloop.train.mailbox import read_batch
-from agentloop.train.orchestrator import run_train
+from agentloop.train.handle.mailbox import read_batch
+from agentloop.train.orchestrator.loop import run_train
 from tests.integration.test_train_real import FIXED, _load, _server_logprobs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

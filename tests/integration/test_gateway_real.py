@@ -243,7 +243,7 @@ def test_the_readme_example_runs_as_written(warm, tmp_path):
 
 def test_one_training_step_on_segmented_episodes(warm, tmp_path):
     """`agentloop train` with openai_agent_loop: the compacting agent's two-segment episodes are trained."""
-    from agentloop.train.orchestrator import run_train
+    from agentloop.train.orchestrator.loop import run_train
 
     url, model = warm
     try:

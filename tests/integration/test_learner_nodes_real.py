@@ -19,7 +19,7 @@ import pytest
 
 from agentloop.inference.launcher import pick_free_port
 from agentloop.records import read_records
-from agentloop.train.mailbox import MailboxPaths
+from agentloop.train.handle.mailbox import MailboxPaths
 from tests.integration.test_train_real import _load
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

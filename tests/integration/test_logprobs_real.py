@@ -22,7 +22,7 @@ TOL = 1e-4
 
 
 def test_learner_logprobs_match_server_at_temperature_0_7(sglang_server):
-    from agentloop.train.learner import Learner
+    from agentloop.train.trainer.learner import Learner
 
     cfg = validate_for_training(load_config(None, [f"server.urls=[\"{sglang_server.url}\"]",
                                                    f"model.path=\"{sglang_server.model_path}\"",

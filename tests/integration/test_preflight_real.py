@@ -9,7 +9,7 @@ import pytest
 
 from agentloop.config import ManagerConfig
 from agentloop.server_manager import ServerManager
-from agentloop.train.preflight import served_kv_tokens
+from agentloop.train.planning.render import served_kv_tokens
 
 pytestmark = pytest.mark.sglang
 

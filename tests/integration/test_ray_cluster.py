@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from agentloop.records import read_records
-from agentloop.train.checkpoint import latest_checkpoint
-from agentloop.train.mailbox import MailboxPaths
+from agentloop.train.handle.mailbox import MailboxPaths
+from agentloop.train.trainer.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]  # real servers, restarts
 

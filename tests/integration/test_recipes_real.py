@@ -21,7 +21,7 @@ import pytest
 from agentloop.cli import main
 from agentloop.config import load_config
 from agentloop.records import read_records
-from agentloop.train.orchestrator import run_train
+from agentloop.train.orchestrator.loop import run_train
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -41,11 +41,11 @@ from agentloop.config import load_config
 from agentloop.data import load_train_data
 from agentloop.records import EpisodeRecord, read_records
 from agentloop.report.steplog import StepLog
-from agentloop.train.checkpoint import list_checkpoints, read_meta
-from agentloop.train.cursor import DataCursor
-from agentloop.train.learner_process import FileLearner
-from agentloop.train.mailbox import MailboxPaths, read_batch
-from agentloop.train.orchestrator import recover_step_rows
+from agentloop.train.handle.mailbox import MailboxPaths, read_batch
+from agentloop.train.orchestrator.cursor import DataCursor
+from agentloop.train.orchestrator.learner_process import FileLearner
+from agentloop.train.orchestrator.loop import recover_step_rows
+from agentloop.train.trainer.checkpoint import list_checkpoints, read_meta
 from tests.integration.test_train_real import (
     FIXED,
     _hf_logprobs,

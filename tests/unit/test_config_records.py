@@ -168,7 +168,7 @@ def test_eval_rollouts_may_sample_any_way():
 
 
 def test_agentloop_train_fails_at_once_on_a_bad_combination(capsys, tmp_path, monkeypatch):
-    import agentloop.train.orchestrator as orch
+    import agentloop.train.orchestrator.loop as orch
     from agentloop.cli import main
 
     def too_far(cfg):

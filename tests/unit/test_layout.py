@@ -199,31 +199,78 @@ def test_bench_report_and_cli_are_leaves_of_the_core():
                 pytest.fail(f"{m} imports the command line")
 
 
-def train_sides() -> dict[str, str]:
-    """module -> side (orchestrator | learner), from the "Sides" table of agentloop/train/__init__.py."""
+def train_rooms() -> dict[str, set[str]]:
+    """room -> the rooms it may import, from the "Rooms" table of agentloop/train/__init__.py."""
     import agentloop.train
 
     doc = agentloop.train.__doc__ or ""
-    rows = re.findall(r"^    (orchestrator|learner)  +(\w.*)$", doc.split("Sides (checked by")[1], re.M)
-    assert {side for side, _ in rows} == {"orchestrator", "learner"}, "the sides table is missing"
-    return {f"agentloop.train.{m}": side for side, mods in rows for m in mods.split()}
+    table = doc.split("Rooms (checked by", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^    (\w+)  +(\S.*)$", table, re.M)
+    rooms = {room: (set() if may.strip() == "-" else set(may.split())) for room, may in rows if room != "room"}
+    assert rooms and "shared" in rooms, "the rooms table is missing from agentloop/train/__init__.py"
+    return rooms
 
 
-def side_violations(sides: dict[str, str] | None = None) -> list[str]:
-    sides = train_sides() if sides is None else sides
+def room_of(mod: str) -> str | None:
+    """A module's room: the train sub-package it is in, "shared" for the modules of agentloop/train itself."""
+    parts = mod.split(".")
+    if parts[:2] != ["agentloop", "train"]:
+        return None
+    if len(parts) == 2 or (len(parts) == 3 and not is_package(mod, all_modules())):
+        return "shared"
+    return parts[2]
+
+
+def room_order(rooms: dict[str, set[str]]) -> list[str]:
+    """Problems with the table itself: a row naming an unknown room, or one above it (the arrows must point one
+    way: down the table)."""
+    names = list(rooms)
+    bad = []
+    for i, room in enumerate(names):
+        for other in sorted(rooms[room]):
+            if other not in rooms:
+                bad.append(f"{room} may import {other}, which is no room")
+            elif names.index(other) <= i:
+                bad.append(f"{room} may import {other}, which is not below it")
+    return bad
+
+
+def room_violations(rooms: dict[str, set[str]] | None = None) -> list[str]:
+    rooms = train_rooms() if rooms is None else rooms
     explicit, _ = graph()
-    return [f"{m} ({sides[m]} side) imports {t} ({sides[t]} side)" for m in sorted(sides) if m in explicit
-            for t in sorted(explicit[m]) if t in sides and sides[t] != sides[m]]
+    bad = []
+    for m in sorted(explicit):
+        rm = room_of(m)
+        if rm is None or m == "agentloop.train":
+            continue
+        if rm not in rooms:
+            bad.append(f"{m}: in no room of the table")
+            continue
+        for t in sorted(explicit[m]):
+            rt = room_of(t)
+            if rt is not None and rt != rm and rt not in rooms[rm]:
+                bad.append(f"{m} ({rm}) imports {t} ({rt})")
+    return bad
 
 
-def test_the_orchestrator_and_the_learner_never_import_each_other():
-    sides = train_sides()
-    modules = all_modules()
-    assert set(sides) <= set(modules), f"the sides table names no module: {set(sides) - set(modules)}"
-    assert side_violations(sides) == []
-    # the checker sees a violation: the orchestrator importing the learner would be one
-    assert side_violations({**sides, "agentloop.train.batch_plan": "learner"}) == [
-        "agentloop.train.orchestrator (orchestrator side) imports agentloop.train.batch_plan (learner side)"]
+def test_train_rooms_point_one_way():
+    rooms = train_rooms()
+    folders = {p.name for p in (PKG / "train").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(rooms) - {"shared"}, f"train's folders and the rooms table differ: {folders ^ set(rooms)}"
+    assert room_order(rooms) == []
+    assert room_violations(rooms) == []
+    # the orchestrator and the trainer never import each other, whichever way round
+    assert "trainer" not in rooms["orchestrator"] and "orchestrator" not in rooms["trainer"]
+
+
+def test_the_room_checker_can_fail():
+    rooms = train_rooms()
+    # the step loop imports the batch room: forbidding that is reported
+    no_batch = {**rooms, "orchestrator": rooms["orchestrator"] - {"batch"}}
+    assert any(v.startswith("agentloop.train.orchestrator.loop (orchestrator) imports agentloop.train.batch.")
+               for v in room_violations(no_batch))
+    # a room allowed to import one above it breaks the one direction
+    assert room_order({**rooms, "batch": {"shared", "trainer"}}) == ["batch may import trainer, which is not below it"]
 
 
 def test_every_folder_says_what_it_is_for():

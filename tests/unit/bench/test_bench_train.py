@@ -19,8 +19,9 @@ from agentloop.train.flops import step_flops, step_flops_from_sums
 
 
 def test_synthetic_batch_shape_and_masks():
-    from agentloop.train.batching import plan_micro_batches, prepare_episodes
+    from agentloop.train.batch.episodes import prepare_episodes
     from agentloop.train.config import AlgoConfig
+    from agentloop.train.trainer.collate import plan_micro_batches
 
     b = TrainBenchConfig(sequences=12, group_size=4, prompt_tokens=7, response_tokens=10, env_tokens=3, seed=1)
     recs = synthetic_records(b, vocab_size=50, step=2)
@@ -155,7 +156,7 @@ def test_cli_errors(tmp_path, capsys):
 
 def test_full_mode_runs_a_short_train_and_reports_its_split(tmp_path, monkeypatch, capsys):
     """--full: the train preset, `--full-steps` steps, then the split of that run (train itself faked)."""
-    from agentloop.train import orchestrator
+    from agentloop.train.orchestrator import loop as orchestrator
 
     seen = {}
 

@@ -13,8 +13,8 @@ import pytest
 from agentloop.config import ManagerConfig, load_config
 from agentloop.errors import ServerError
 from agentloop.server_manager import ServerManager
-from agentloop.train.handle import WeightsOnDisk
-from agentloop.train.orchestrator import Trainer
+from agentloop.train.handle.protocol import WeightsOnDisk
+from agentloop.train.orchestrator.loop import Trainer
 from tests.fakes.fake_sglang import FakeSGLang
 
 SP = {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 5}

@@ -434,7 +434,7 @@ def no_backend(monkeypatch):
 def test_unisolated_is_refused_for_training_unless_allowed(no_backend):
     from agentloop.config import Config
     from agentloop.errors import ConfigError
-    from agentloop.train.orchestrator import run_train
+    from agentloop.train.orchestrator.loop import run_train
 
     st = sandbox_backends.isolation_status(SandboxLimits())
     assert not st.isolated and st.backend == "none"

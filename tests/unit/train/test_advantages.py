@@ -9,14 +9,14 @@ import torch
 
 from agentloop.errors import ConfigError
 from agentloop.records import EpisodeRecord
-from agentloop.train.advantages import (
+from agentloop.train.batch.advantages import (
     ESTIMATORS,
     compute_advantages,
     get_estimator,
     group_ids,
     register_estimator,
 )
-from agentloop.train.batching import prepare_episodes
+from agentloop.train.batch.episodes import prepare_episodes
 from agentloop.train.config import AlgoConfig, LearnerConfig
 
 

@@ -18,10 +18,10 @@ from agentloop.records import Sample
 from agentloop.report.steplog import StepLog
 from agentloop.rollout.engine import RolloutEngine
 from agentloop.server_manager import ServerManager
-from agentloop.train.cursor import DataCursor
-from agentloop.train.learner_process import FileLearner
-from agentloop.train.mailbox import LearnerMailbox, read_batch
-from agentloop.train.orchestrator import Trainer
+from agentloop.train.handle.mailbox import LearnerMailbox, read_batch
+from agentloop.train.orchestrator.cursor import DataCursor
+from agentloop.train.orchestrator.learner_process import FileLearner
+from agentloop.train.orchestrator.loop import Trainer
 from tests.fakes.fake_sglang import FakeSGLang
 
 

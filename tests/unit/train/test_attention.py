@@ -1,5 +1,5 @@
-"""Packed-row attention masks (agentloop.train.attention) and the chunked logprob head
-(agentloop.train.logprobs) on CPU: the block mask equals FlexAttention's own and gives SDPA's dense-mask
+"""Packed-row attention masks (agentloop.train.trainer.attention) and the chunked logprob head
+(agentloop.train.trainer.logprobs) on CPU: the block mask equals FlexAttention's own and gives SDPA's dense-mask
 output, the varlen segments give SDPA's dense-mask output and gradients, the HF model runs our flex and
 varlen functions, an eager model is refused, and chunked logprobs, entropy and their gradients equal the
 full [tokens x vocab] computation."""
@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from agentloop.train.attention import (
+from agentloop.train.batch.episodes import Episode
+from agentloop.train.trainer.attention import (
     FLEX_IMPL,
     VARLEN_IMPL,
     allowed,
@@ -24,8 +25,8 @@ from agentloop.train.attention import (
     varlen_attn,
     varlen_layout,
 )
-from agentloop.train.batching import Episode, collate_packed
-from agentloop.train.logprobs import LogprobHead, chunked_logprobs
+from agentloop.train.trainer.collate import collate_packed
+from agentloop.train.trainer.logprobs import LogprobHead, chunked_logprobs
 
 
 def _layout():
@@ -184,7 +185,7 @@ def test_a_model_that_ignores_the_mask_is_refused():
 def test_auto_attention_on_cuda(monkeypatch):
     """auto on CUDA: varlen where aten's FlashAttention runs and the head dimension and dtype suit it, flex
     where FlexAttention does (head dimension >= 16, a power of two), packed SDPA otherwise."""
-    from agentloop.train import attention
+    from agentloop.train.trainer import attention
 
     monkeypatch.setattr(attention, "varlen_available", lambda: True)
     assert resolve_attention("auto", "cuda", 64, torch.bfloat16) == "varlen"
@@ -205,7 +206,7 @@ def test_auto_attention_on_cuda(monkeypatch):
 def test_chunked_logprobs_equal_the_full_computation(temperature, ent_w, fused):
     """Chunks of 5 (the last one short) against one [37 x 50] log-softmax, float64; `fused` runs each
     chunk's math through torch.compile (the GPU default), which must not fall back to eager here."""
-    from agentloop.train.logprobs import _Fused
+    from agentloop.train.trainer.logprobs import _Fused
 
     g = torch.Generator().manual_seed(3)
     n, h, v = 37, 8, 50

@@ -1,4 +1,4 @@
-"""The step's batch as the orchestrator prepares it (agentloop.train.batch_plan): the learner collates exactly the
+"""The step's batch as the orchestrator prepares it (agentloop.train.batch.format): the learner collates exactly the
 micro-batches it laid out itself before (same tensors, every rank, every layout), from a compact binary form
 that carries no text."""
 
@@ -11,17 +11,13 @@ import pytest
 import torch
 
 from agentloop.records import EpisodeRecord
-from agentloop.train.batch_plan import BatchFormatError, BatchLayout, TrainBatch, prepare_batch
-from agentloop.train.batching import (
-    RowCost,
-    collate_micro_batches,
-    mini_batch_indices,
-    mini_batch_totals,
-    plan_micro_batches,
-    prepare_episodes,
-    staleness_metrics,
-)
+from agentloop.train.batch.episodes import prepare_episodes, staleness_metrics
+from agentloop.train.batch.format import BatchFormatError, BatchLayout, TrainBatch
+from agentloop.train.batch.packing import mini_batch_indices, mini_batch_totals
+from agentloop.train.batch.prepare import prepare_batch
 from agentloop.train.config import AlgoConfig
+from agentloop.train.flops import RowCost
+from agentloop.train.trainer.collate import collate_micro_batches, plan_micro_batches
 
 COST = RowCost(per_token=2e5, per_pair=300.0)
 

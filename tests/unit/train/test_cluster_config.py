@@ -7,7 +7,7 @@ import pytest
 
 from agentloop.config import load_config, validate_for_training
 from agentloop.errors import ConfigError
-from agentloop.train.learner_process import learner_command, node_command
+from agentloop.train.orchestrator.learner_process import learner_command, node_command
 
 URL = 'server.urls=["http://h:1"]'
 MODEL = 'model.path="/m"'
@@ -66,8 +66,8 @@ def test_a_learner_over_nodes_needs_its_rendezvous_and_every_node_runs_one_comma
                         "--rdzv-endpoint=h:29400", "--rdzv-id=x", "--max-restarts=0"]
     # the rendezvous outwaits the run's wait for a ready learner, whose timeout names what is missing
     cmd = learner_command(tmp_path, "/m", nnodes=2, rdzv_endpoint="h:1", rdzv_join_timeout_s=660.0)
-    assert cmd[9:12] == ["--rdzv-conf=join_timeout=660", "-m", "agentloop.train.learner"]
-    from agentloop.train.learner_process import LearnerProcess
+    assert cmd[9:12] == ["--rdzv-conf=join_timeout=660", "-m", "agentloop.train.trainer"]
+    from agentloop.train.orchestrator.learner_process import LearnerProcess
 
     lp = LearnerProcess(load_config(None, ["learner.nnodes=2", "learner.rdzv_endpoint=h:1",
                                            "train.learner_ready_timeout_s=100"]), tmp_path, tmp_path / "m")

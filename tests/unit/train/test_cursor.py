@@ -9,7 +9,7 @@ from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.records import Sample
 from agentloop.rollout.engine import RolloutEngine
-from agentloop.train.cursor import DataCursor, DataMismatchError, fingerprint
+from agentloop.train.orchestrator.cursor import DataCursor, DataMismatchError, fingerprint
 
 
 def rows(n: int) -> list[Sample]:

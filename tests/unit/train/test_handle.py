@@ -1,4 +1,4 @@
-"""The learner handle's contract (agentloop.train.handle), the same tests for every carrier: the orchestrator's
+"""The learner handle's contract (agentloop.train.handle.protocol), the same tests for every carrier: the orchestrator's
 side (LearnerHandle) against a scripted learner that speaks only the learner's side (LearnerInbox). Files: the
 mailbox (FileLearner + LearnerMailbox, the learner in a thread); Ray: RayLearner with a scripted rank actor
 (RayInbox) on a local Ray instance (marker `ray`; the real learner on Ray: tests/integration/test_ray_cluster.py).
@@ -14,19 +14,20 @@ from typing import Any
 
 import pytest
 
-from agentloop.train.batch_plan import BatchLayout, prepare_batch
+from agentloop.train.batch.format import BatchLayout
+from agentloop.train.batch.prepare import prepare_batch
 from agentloop.train.config import AlgoConfig
-from agentloop.train.handle import (
+from agentloop.train.handle.mailbox import LearnerMailbox
+from agentloop.train.handle.protocol import (
     LearnerFailedError,
     LearnerHandle,
     LearnerInbox,
     LearnerTimeout,
+    PushOrder,
     SyncRequest,
     UpdateResult,
 )
-from agentloop.train.learner_process import FileLearner
-from agentloop.train.mailbox import LearnerMailbox
-from agentloop.train.weight_sync import PushOrder
+from agentloop.train.orchestrator.learner_process import FileLearner
 from tests.unit.train.test_batch_plan import records
 
 LAYOUT = BatchLayout(world=1, budget=64)

@@ -19,11 +19,10 @@ import torch
 from agentloop.config import ManagerConfig, load_config
 from agentloop.interrupt import INTERRUPT_MODES, interrupt_policy
 from agentloop.server_manager import ServerManager
-from agentloop.train import weight_sync as ws
-from agentloop.train.handle import WeightsOnDisk
-from agentloop.train.mailbox import LearnerMailbox, MailboxClient
-from agentloop.train.orchestrator import Trainer
-from agentloop.train.weight_sync import PushOrder
+from agentloop.train.handle.mailbox import LearnerMailbox, MailboxClient
+from agentloop.train.handle.protocol import PushOrder, WeightsOnDisk
+from agentloop.train.orchestrator.loop import Trainer
+from agentloop.train.weights import tensor as wt
 from tests.fakes.fake_sglang import FakeSGLang
 
 SP = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 5}
@@ -125,7 +124,7 @@ class Tiny(torch.nn.Module):
 def test_tensor_push_payloads_follow_the_mode(mode, monkeypatch):
     """The learner's tensor payloads flush only where the mode allows, so a request held in place or retracted
     on 0.5.17 survives the push (before: flush_cache true on the last bucket, whatever the mode)."""
-    monkeypatch.setattr(ws, "serialize_cuda_bucket", lambda flat, meta: "payload")
+    monkeypatch.setattr(wt, "serialize_cuda_bucket", lambda flat, meta: "payload")
 
     async def main():
         fake = await FakeSGLang(token_delay_s=0.01, flush_model="0.5.17").start()
@@ -135,7 +134,7 @@ def test_tensor_push_payloads_follow_the_mode(mode, monkeypatch):
                 gen = asyncio.create_task(sm.generate("e-0", prompt_ids=[5, 6, 7], sampling_params=SP))
                 await fake.started.wait()
                 await sm.pause(policy.pause_mode)
-                sync = ws.TensorSync(bucket_bytes=50 * 8 * 2, timeout_s=10)
+                sync = wt.TensorSync(bucket_bytes=50 * 8 * 2, timeout_s=10)
                 await asyncio.to_thread(sync.push, Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
                                         urls=[fake.url], version="1", flush_cache=policy.flush_in_update)
                 await sm.finish_update(policy)

@@ -17,11 +17,8 @@ import torch
 
 from agentloop.errors import ConfigError
 from agentloop.records import EpisodeRecord
-from agentloop.train.checkpoint import latest_checkpoint, list_checkpoints, read_meta
 from agentloop.train.config import AlgoConfig, LearnerConfig
-from agentloop.train.learner import FinalPlan, Learner, _prune_weights, load_sections, lr_at, plan_final_save
-from agentloop.train.learner_process import learner_command
-from agentloop.train.mailbox import (
+from agentloop.train.handle.mailbox import (
     LearnerDiedError,
     LearnerFailedError,
     LearnerMailbox,
@@ -30,11 +27,16 @@ from agentloop.train.mailbox import (
     MailboxPaths,
     MailboxTimeout,
 )
+from agentloop.train.orchestrator.learner_process import learner_command
+from agentloop.train.trainer.checkpoint import latest_checkpoint, list_checkpoints, read_meta
+from agentloop.train.trainer.learner import Learner, lr_at
+from agentloop.train.trainer.main import load_sections
+from agentloop.train.trainer.serve import FinalPlan, _prune_weights, plan_final_save
 from tests.unit.api_check import assert_public_api
 
 VOCAB = 96
 ALGO = AlgoConfig()
-"""The learners these tests start run the default algorithm: batches are prepared with it (batch_plan)."""
+"""The learners these tests start run the default algorithm: batches are prepared with it (agentloop.train.batch.prepare)."""
 JIT_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 """torch 2.11's inductor import (GPU machines) warns from torch's own code; nothing of ours."""
 
@@ -248,7 +250,7 @@ def test_on_policy_step_skips_the_old_logprob_pass_with_the_same_update(tiny_mod
     Also the regression test of an FSDP2 bug: root parameters gathered by the no-grad recompute pass
     served the loss pass, and the forced path's gradient norm was 14-57% off (now resharded).
     """
-    import agentloop.train.learner as learner_mod
+    import agentloop.train.trainer.learner as learner_mod
 
     algo = AlgoConfig(old_logprobs="recompute")
     recs = make_records(1, seed=5)
@@ -268,7 +270,7 @@ def test_on_policy_step_skips_the_old_logprob_pass_with_the_same_update(tiny_mod
 def test_progress_line_and_curves_name_metrics_the_learner_emits(tiny_model, tmp_path):
     from agentloop.report.progress import fmt_fields
     from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
-    from agentloop.train.orchestrator import _PROGRESS_LABELS
+    from agentloop.train.orchestrator.loop import _PROGRESS_LABELS
 
     def _fmt(row, keys):
         return " | ".join(fmt_fields(row, _PROGRESS_LABELS, keys))
@@ -491,10 +493,10 @@ def test_a_push_path_learner_resumed_with_pending_batches_replays_them_without_a
     GPU one: the push itself is recorded, not sent."""
     import threading
 
-    import agentloop.train.weight_sync as ws
-    from agentloop.train.handle import SyncRequest as _SyncRequest
-    from agentloop.train.learner import serve
-    from agentloop.train.weight_sync import PushOrder
+    import agentloop.train.weights.sync as ws
+    from agentloop.train.handle.protocol import PushOrder
+    from agentloop.train.handle.protocol import SyncRequest as _SyncRequest
+    from agentloop.train.trainer.serve import serve
 
     pushes: list[str] = []
 
@@ -600,7 +602,7 @@ def test_a_learner_over_two_nodes_with_torchruns_rendezvous_matches_one_rank(tin
     shared filesystem); the two ranks train the step as one rank does."""
     from agentloop.config import dump_config, load_config
     from agentloop.inference.launcher import pick_free_port
-    from agentloop.train.learner_process import LearnerProcess
+    from agentloop.train.orchestrator.learner_process import LearnerProcess
 
     run = tmp_path / "run"
     run.mkdir()
@@ -641,8 +643,8 @@ def test_a_learner_over_two_nodes_whose_other_node_never_joins_names_the_command
 
     from agentloop.config import dump_config, load_config
     from agentloop.inference.launcher import pick_free_port
-    from agentloop.train.handle import LearnerTimeout
-    from agentloop.train.learner_process import FileLearner, LearnerProcess
+    from agentloop.train.handle.protocol import LearnerTimeout
+    from agentloop.train.orchestrator.learner_process import FileLearner, LearnerProcess
 
     run = tmp_path / "run"
     run.mkdir()
@@ -666,7 +668,7 @@ def test_learner_log_holds_each_step_as_it_happens(tiny_model, tmp_path):
     is in learner.log by the time its update.done is visible, while the learner is still running; the
     stop is logged too."""
     from agentloop.config import dump_config, load_config
-    from agentloop.train.learner_process import LearnerProcess
+    from agentloop.train.orchestrator.learner_process import LearnerProcess
 
     run = tmp_path / "run"
     run.mkdir()
@@ -699,7 +701,7 @@ def test_learner_log_lines_are_flushed_line_by_line(tmp_path):
     """With stdout a block-buffered file and no PYTHONUNBUFFERED, a logged line is in the file even if the
     process dies right after it (os._exit skips every flush, like SIGKILL)."""
     out = tmp_path / "learner.log"
-    code = ("from agentloop.train.learner import log_to_stdout, logger\n"
+    code = ("from agentloop.train.trainer.main import log_to_stdout, logger\n"
             "log_to_stdout(0)\nlogger.info('step 7 done: loss 0.5')\nlogger.debug('hidden')\n"
             "print('a print is buffered')\nimport os\nos._exit(3)\n")
     env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
@@ -881,7 +883,7 @@ def test_rollout_logprobs_reach_the_update_only_through_the_importance_weight(ti
 def test_interpolated_proximal_skips_the_old_logprob_pass(tiny_model, tmp_path, monkeypatch):
     """algo.proximal=interpolate: no no-grad forward of the policy; the first mini-batch still uses its exact
     logprobs (nothing has moved), later ones AReaL's interpolation. Records without versions are refused."""
-    import agentloop.train.learner as learner_mod
+    import agentloop.train.trainer.learner as learner_mod
 
     passes = {"n": 0}
     orig = learner_mod.Learner._forward
@@ -995,9 +997,9 @@ _CKPT_CHILD = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     import torch
-    from agentloop.train import checkpoint as ck
+    from agentloop.train.trainer import checkpoint as ck
     from agentloop.train.config import AlgoConfig, LearnerConfig
-    from agentloop.train.learner import Learner
+    from agentloop.train.trainer.learner import Learner
     sys.path.insert(0, {root!r})
     from tests.unit.train.test_learner import make_records
 
@@ -1297,7 +1299,7 @@ def test_gpu_chunked_logprobs_keep_memory_flat():
     float32 tensor (4.6 GiB), and grows with the chunk, not with the tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from agentloop.train.logprobs import chunked_logprobs
+    from agentloop.train.trainer.logprobs import chunked_logprobs
 
     dev = torch.device("cuda")
     v, h = 151_936, 896

@@ -8,21 +8,18 @@ import math
 import pytest
 import torch
 
-from agentloop.train.batching import (
-    Episode,
-    RowCost,
+from agentloop.train.batch.episodes import Episode, staleness_metrics
+from agentloop.train.batch.packing import pack_greedy, shard_for_rank, share_items
+from agentloop.train.config import AlgoConfig
+from agentloop.train.flops import RowCost
+from agentloop.train.trainer.collate import (
     collate,
     collate_shared,
     episode_return,
     kl_reward_advantages,
-    pack_greedy,
     plan_micro_batches,
-    shard_for_rank,
-    share_items,
-    staleness_metrics,
 )
-from agentloop.train.config import AlgoConfig
-from agentloop.train.losses import (
+from agentloop.train.trainer.losses import (
     Stats,
     aggregate,
     interpolate_proximal,

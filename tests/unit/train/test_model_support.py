@@ -17,9 +17,9 @@ from agentloop.errors import ConfigError
 from agentloop.records import EpisodeRecord
 from agentloop.train import model_support
 from agentloop.train.config import AlgoConfig, LearnerConfig
-from agentloop.train.learner import Learner
-from agentloop.train.logprobs import HeadTransform, chunked_logprobs
 from agentloop.train.model_support import check_model_support
+from agentloop.train.trainer.learner import Learner
+from agentloop.train.trainer.logprobs import HeadTransform, chunked_logprobs
 
 VOCAB = 96
 T = 0.7
@@ -128,7 +128,7 @@ def _assert_close(got: list[list[float]], want: list[list[float]]) -> None:
 def test_chunked_logprobs_apply_the_head_transform_exactly(scale, softcap, fused):
     """logp, entropy and both gradients through logits = softcap * tanh(scale * x / softcap) / T, chunk by chunk,
     against the one-shot float64 computation with autograd."""
-    from agentloop.train.logprobs import _Fused
+    from agentloop.train.trainer.logprobs import _Fused
 
     g = torch.Generator().manual_seed(5)
     n, h, v = 23, 8, 40
@@ -191,8 +191,9 @@ def test_packed_attention_runs_a_window_that_covers_every_sequence_and_refuses_a
 
     import transformers as tf
 
-    from agentloop.train import attention as att
-    from agentloop.train.batching import Episode, collate_packed
+    from agentloop.train.batch.episodes import Episode
+    from agentloop.train.trainer import attention as att
+    from agentloop.train.trainer.collate import collate_packed
 
     att.register_flex()
     att.register_varlen()
@@ -268,7 +269,8 @@ def test_the_learner_process_checks_against_the_runs_context_length(models, tmp_
     """The learner process reads model.context_length from the run's config: without it (sequences up to
     max_position_embeddings = 64) the window of 16 is refused (exit 1); with 16 it starts and, given no batch,
     times out (exit 2)."""
-    from agentloop.train.learner import EXIT_FAILED, EXIT_TIMEOUT, logger, main
+    from agentloop.train.trainer.main import main
+    from agentloop.train.trainer.serve import EXIT_FAILED, EXIT_TIMEOUT, logger
 
     handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
     try:
@@ -288,7 +290,7 @@ def test_the_learner_process_checks_against_the_runs_context_length(models, tmp_
 
 def test_agentloop_train_refuses_the_model_before_starting_anything(models, tmp_path):
     """`agentloop train` checks the model first: no learner process, no server contact, the reason named."""
-    from agentloop.train.orchestrator import run_train
+    from agentloop.train.orchestrator.loop import run_train
 
     run_dir = tmp_path / "run"
     cfg = load_config(None, ['server.urls=["http://127.0.0.1:1"]', f'model.path="{models("mistral_window")}"',

@@ -10,10 +10,10 @@ import pytest
 from agentloop.config import load_config
 from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
-from agentloop.train.batching import prepare_episodes
+from agentloop.train.batch.episodes import prepare_episodes
 from agentloop.train.config import AlgoConfig
-from agentloop.train.learner_process import FileLearner
-from agentloop.train.orchestrator import Trainer, TrainingError, rollout_metrics, trainable
+from agentloop.train.orchestrator.learner_process import FileLearner
+from agentloop.train.orchestrator.loop import Trainer, TrainingError, rollout_metrics, trainable
 
 
 def _rec(uid: int, repeat: int, versions: list[int], *, reward: float | None = 1.0, error: str | None = None,

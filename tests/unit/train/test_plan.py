@@ -1,4 +1,4 @@
-"""The GPU memory plan (agentloop.train.plan), pure: the memory model against the peaks measured on H100s
+"""The GPU memory plan (agentloop.train.planning.memory), pure: the memory model against the peaks measured on H100s
 (benchmarks/RESULTS_learner.md), placement, the memory split of a shared GPU, refusals that name sizes and
 what to change, and the length and timeout rules."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from agentloop.models.modelzoo import MODEL_SHAPES
-from agentloop.train import plan
-from agentloop.train.plan import LearnerSetup, ModelShape, ServerSetup, Workload, learner_memory, make_plan
+from agentloop.train.planning import memory as plan
+from agentloop.train.planning.memory import LearnerSetup, ModelShape, ServerSetup, Workload, learner_memory, make_plan
 
 Q05 = ModelShape.from_config({**MODEL_SHAPES["qwen2.5-0.5b-shape"], "model_type": "qwen2"})
 Q15 = ModelShape.from_config({**MODEL_SHAPES["qwen2.5-1.5b-shape"], "model_type": "qwen2"})

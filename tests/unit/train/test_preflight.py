@@ -1,5 +1,5 @@
 """`agentloop train --dry-run` through the CLI, and the same preflight at the start of `agentloop train`
-(agentloop.train.preflight): every check reports one line; a wrong data_source, a missing chat template, a model
+(agentloop.train.planning.preflight): every check reports one line; a wrong data_source, a missing chat template, a model
 the learner cannot run, a template that is not append-only, rows calling unknown tools, prompts longer than the
 context and a GPU too small each fail naming the cause; on a GPU (here: planned for with cluster.*) the unset keys
 are sized to the machine and the set ones kept; on CPU nothing changes. The model directories here hold a config
@@ -17,8 +17,8 @@ from agentloop.cli import main
 from agentloop.config import load_config
 from agentloop.errors import ConfigError
 from agentloop.models.modelzoo import ensure_tiny_model, shape_config
-from agentloop.train import preflight
-from agentloop.train.orchestrator import prepare_train, run_train
+from agentloop.train.orchestrator.loop import prepare_train, run_train
+from agentloop.train.planning import inventory, render
 
 RECIPE = str(Path(__file__).resolve().parents[3] / "configs" / "recipe_gsm8k.yaml")
 
@@ -284,39 +284,39 @@ def test_a_failing_check_stops_agentloop_train_before_anything_starts(models, tm
 
 
 def test_gpu_inventory_without_a_gpu_device(monkeypatch, tmp_path):
-    assert preflight.gpu_inventory(dev=tmp_path) == []  # no device node: torch is not even asked
+    assert inventory.gpu_inventory(dev=tmp_path) == []  # no device node: torch is not even asked
     (tmp_path / "nvidia0").touch()
     # a device node: torch is asked in a child process (none visible to it here)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert preflight.gpu_inventory(dev=tmp_path) == []
+    assert inventory.gpu_inventory(dev=tmp_path) == []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert preflight.gpu_inventory(dev=tmp_path) == []
+    assert inventory.gpu_inventory(dev=tmp_path) == []
 
 
 def test_the_machine_planned_for(models, gsm8k):
     h100 = [{"name": "NVIDIA H100 80GB HBM3", "total": 85_000_000_000, "free": 84_000_000_000}]
     cfg = _cfg(models["shape"], gsm8k)
-    gib, said = preflight.machine_for(cfg, h100, dry_run=False)
+    gib, said = inventory.machine_for(cfg, h100, dry_run=False)
     assert gib == [pytest.approx(84e9 / 2**30)] and "1 x NVIDIA H100 80GB HBM3" in said
     cfg = _cfg(models["shape"], gsm8k, "cluster.gpu_memory_gib=40")
-    assert preflight.machine_for(cfg, h100, dry_run=False)[0] == [40.0]
+    assert inventory.machine_for(cfg, h100, dry_run=False)[0] == [40.0]
     cfg = _cfg(models["shape"], gsm8k, "cluster.num_gpus=2")
     with pytest.raises(ConfigError, match="cluster.num_gpus=2 but 1 GPU"):
-        preflight.machine_for(cfg, h100, dry_run=False)
-    assert preflight.machine_for(cfg, h100, dry_run=True)[0] == [pytest.approx(84e9 / 2**30)] * 2
-    assert preflight.machine_for(_cfg(models["shape"], gsm8k, "server.device=cpu", "learner.device=cpu"), h100,
+        inventory.machine_for(cfg, h100, dry_run=False)
+    assert inventory.machine_for(cfg, h100, dry_run=True)[0] == [pytest.approx(84e9 / 2**30)] * 2
+    assert inventory.machine_for(_cfg(models["shape"], gsm8k, "server.device=cpu", "learner.device=cpu"), h100,
                                  dry_run=False) == ([], "")
 
 
 def test_plan_summary_puts_the_measured_peak_next_to_the_plan(tmp_path):
-    assert preflight.plan_summary(tmp_path, [], []) is None  # a CPU run made no plan
+    assert render.plan_summary(tmp_path, [], []) is None  # a CPU run made no plan
     (tmp_path / "plan.json").write_text(json.dumps({"learner_peak_gib": 40.9, "server_kv_tokens": 1000}))
     rows = [{"step": 1.0, "learner/perf/peak_memory_gib": 39.0, "learner/perf/peak_reserved_gib": 44.0},
             {"step": 2.0, "learner/perf/peak_memory_gib": 40.2}]
-    out = preflight.plan_summary(tmp_path, rows, [1200])
+    out = render.plan_summary(tmp_path, rows, [1200])
     assert out["learner_peak_gib"] == 40.9
     assert out["measured"] == {"learner_peak_gib": 40.2, "learner_reserved_gib": 44.0, "server_kv_tokens": [1200]}
-    assert preflight.find_key({"a": [{"b": 1}, {"internal_states": [{"max_total_num_tokens": 7}]}]},
+    assert render.find_key({"a": [{"b": 1}, {"internal_states": [{"max_total_num_tokens": 7}]}]},
                               "max_total_num_tokens") == 7
 
 

@@ -15,9 +15,9 @@ from agentloop.cli import build_config, main, make_parser
 from agentloop.config import dump_config, validate_for_training
 from agentloop.data import write_jsonl
 from agentloop.errors import ConfigError
-from agentloop.train.cursor import DataCursor
-from agentloop.train.orchestrator import load_data, resolve_learner_defaults
-from agentloop.train.resume import config_changes, is_pinned
+from agentloop.train.orchestrator.cursor import DataCursor
+from agentloop.train.orchestrator.loop import load_data, resolve_learner_defaults
+from agentloop.train.orchestrator.resume import config_changes, is_pinned
 from agentloop.util.rundir import make_run_dir
 
 

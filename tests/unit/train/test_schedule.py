@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from agentloop.train.schedule import Admission, AsyncSchedule, Cancel, GroupBuffer, Retry, Staleness
+from agentloop.train.orchestrator.schedule import Admission, AsyncSchedule, Cancel, GroupBuffer, Retry, Staleness
 
 
 def test_staleness_window():

@@ -1,4 +1,4 @@
-"""What the servers serve against model.path (agentloop.train.served_model), with the scripted server answering
+"""What the servers serve against model.path (agentloop.train.orchestrator.served_model), with the scripted server answering
 /model_info as SGLang 0.5.23 does: another architecture or other sizes are an error naming both sides; other
 weights the server was started with are an error; a server some run has updated (another weight version) is
 reloaded with model.path at version 0 before step 1 of a fresh run, and left to the resume otherwise; a path
@@ -16,7 +16,7 @@ import torch
 from agentloop.config import ManagerConfig, load_config, validate_for_training
 from agentloop.errors import ConfigError
 from agentloop.server_manager import ServerManager
-from agentloop.train.served_model import align_served_weights, check_served_model
+from agentloop.train.orchestrator.served_model import align_served_weights, check_served_model
 from tests.fakes.fake_sglang import FakeSGLang
 
 QWEN = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}

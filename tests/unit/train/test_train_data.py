@@ -15,7 +15,7 @@ from agentloop.cli import build_config, main, make_parser
 from agentloop.config import dump_config, load_config
 from agentloop.data import builtin_rows, write_jsonl
 from agentloop.errors import ConfigError, DataError
-from agentloop.train.orchestrator import load_data
+from agentloop.train.orchestrator.loop import load_data
 from agentloop.util.rundir import make_run_dir
 
 ROOT = Path(__file__).resolve().parents[3]

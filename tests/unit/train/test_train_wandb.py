@@ -10,7 +10,7 @@ import pytest
 
 from agentloop.config import load_config
 from agentloop.errors import ConfigError
-from agentloop.train.orchestrator import StepLog
+from agentloop.train.orchestrator.loop import StepLog
 
 
 class _FakeRun:

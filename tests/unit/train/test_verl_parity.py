@@ -42,14 +42,14 @@ import pytest
 import torch
 
 from agentloop.records import EpisodeRecord
-from agentloop.train.advantages import compute_advantages
-from agentloop.train.batching import prepare_episodes
+from agentloop.train.batch.advantages import compute_advantages
+from agentloop.train.batch.episodes import prepare_episodes
 from agentloop.train.config import AlgoConfig
 from agentloop.train.flops import RowCost
-from agentloop.train.learner import verl_order
-from agentloop.train.losses import kl_estimate
-from agentloop.train.rollout_correction import RS_OPTIONS, parse_rollout_rs, rejection_keep
-from agentloop.train.verl_order import KLController, apply_verl_order, kl_penalty
+from agentloop.train.trainer.learner import verl_order
+from agentloop.train.trainer.losses import kl_estimate
+from agentloop.train.trainer.rollout_correction import RS_OPTIONS, parse_rollout_rs, rejection_keep
+from agentloop.train.trainer.verl_order import KLController, apply_verl_order, kl_penalty
 
 VERL_VERSION = "0.9.1"
 
@@ -311,7 +311,7 @@ def verl_step(b: Batch, v: Verl, *, micro: list[int] = VERL_MICRO) -> Step:
 
 def our_step(b: Batch, algo: AlgoConfig, *, layout: str = "padded", share: str = "off", budget: int = 45) -> Step:
     """One step of ours on `b`, as Learner.train_step runs it (without a model: the logprobs are given)."""
-    from agentloop.train.batching import plan_micro_batches
+    from agentloop.train.trainer.collate import plan_micro_batches
 
     prepared = prepare_episodes(b.records, algo)
     eps = prepared.episodes
@@ -639,7 +639,7 @@ def test_unmapped_verl_values_are_refused_not_misread(override):
 
 def test_an_unimplemented_estimator_is_named():
     from agentloop.errors import ConfigError
-    from agentloop.train.advantages import get_estimator
+    from agentloop.train.batch.advantages import get_estimator
 
     with pytest.raises(ConfigError, match="unknown advantage estimator 'gae'"):
         get_estimator(AlgoConfig(estimator="gae").estimator)

@@ -1,4 +1,4 @@
-"""Weight sync paths (agentloop.train.weight_sync) without a GPU: bucketing, payloads, the endpoint
+"""Weight sync paths (agentloop.train.weights.sync) without a GPU: bucketing, payloads, the endpoint
 call sequence against scripted fake servers, SGLang's restricted unpickler, the learner-side group
 rendezvous against SGLang's own `init_custom_process_group` (gloo), and the mailbox handshake."""
 
@@ -17,16 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentloop.train import weight_sync as ws
 from agentloop.train.config import LearnerConfig
-from agentloop.train.handle import WeightsOnDisk
-from agentloop.train.mailbox import (
+from agentloop.train.handle.mailbox import (
     LearnerMailbox,
     MailboxClient,
     SyncRequest,
     UpdateResult,
 )
-from agentloop.train.weight_sync import ParamMeta, WeightSyncError, plan_buckets
+from agentloop.train.handle.protocol import PushOrder, WeightsOnDisk
+from agentloop.train.weights import nccl as wn
+from agentloop.train.weights import sync as ws
+from agentloop.train.weights import tensor as wt
+from agentloop.train.weights.sync import ParamMeta, WeightSyncError, plan_buckets
 from tests.fakes.fake_sglang import FakeSGLang
 
 
@@ -51,27 +53,27 @@ def test_plan_buckets_by_byte_budget():
 def test_param_meta_bytes_and_offsets():
     assert ParamMeta("w", (3, 4), "float32").nbytes == 48
     assert ParamMeta("w", (3, 4), "bfloat16").nbytes == 24
-    assert ws.rank_offsets([1, 2, 1]) == ([1, 2, 4], 5)
-    assert ws.rank_offsets([]) == ([], 1)
-    assert ws.default_master_addr(["http://127.0.0.1:1", "http://localhost:2"]) == "127.0.0.1"
+    assert wn.rank_offsets([1, 2, 1]) == ([1, 2, 4], 5)
+    assert wn.rank_offsets([]) == ([], 1)
+    assert wn.default_master_addr(["http://127.0.0.1:1", "http://localhost:2"]) == "127.0.0.1"
 
 
 def test_payloads():
     b = [ParamMeta("x.weight", (2, 3), "bfloat16"), ParamMeta("y.bias", (3,), "float32")]
-    mid = ws.distributed_payload(b, "g", last=False, version="7", flush_cache=True)
+    mid = wn.distributed_payload(b, "g", last=False, version="7", flush_cache=True)
     assert mid == {"names": ["x.weight", "y.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [3]],
                    "group_name": "g", "load_format": "flattened_bucket", "flush_cache": False,
                    "abort_all_requests": False}
-    last = ws.distributed_payload(b, "g", last=True, version="7", flush_cache=True)
+    last = wn.distributed_payload(b, "g", last=True, version="7", flush_cache=True)
     assert last["flush_cache"] is True and last["weight_version"] == "7"
-    t = ws.tensor_payload(["AAA", "BBB"], last=True, version="3", flush_cache=True)
+    t = wt.tensor_payload(["AAA", "BBB"], last=True, version="3", flush_cache=True)
     assert t["serialized_named_tensors"] == ["AAA", "BBB"] and t["load_format"] == "flattened_bucket"
     assert t["weight_version"] == "3" and t["flush_cache"] is True
-    assert "weight_version" not in ws.tensor_payload(["A"], last=False, version="3")
+    assert "weight_version" not in wt.tensor_payload(["A"], last=False, version="3")
     # no flush unless the interrupt mode allows one (agentloop.interrupt): the default is the safe side
-    assert ws.tensor_payload(["A"], last=True, version="3")["flush_cache"] is False
-    assert ws.distributed_payload(b, "g", last=True, version="7")["flush_cache"] is False
-    assert ws.init_group_payload("10.0.0.1", 29500, 3, 5, "g") == {
+    assert wt.tensor_payload(["A"], last=True, version="3")["flush_cache"] is False
+    assert wn.distributed_payload(b, "g", last=True, version="7")["flush_cache"] is False
+    assert wn.init_group_payload("10.0.0.1", 29500, 3, 5, "g") == {
         "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5,
         "group_name": "g", "backend": "nccl"}
 
@@ -123,14 +125,14 @@ def test_share_pickle_passes_sglang_deserializer():
     common = pytest.importorskip("sglang.srt.utils.common")
     flat = torch.arange(12, dtype=torch.uint8)
     md = ws.bucket_metadata([ParamMeta("a", (3, 2), "bfloat16")])
-    data = common.MultiprocessingSerializer.deserialize(base64.b64encode(ws._share_pickle(
+    data = common.MultiprocessingSerializer.deserialize(base64.b64encode(wt._share_pickle(
         {"flattened_tensor": flat, "metadata": md})).decode())
     assert torch.equal(data["flattened_tensor"], flat) and data["metadata"][0].name == "a"
 
 
 def test_serialize_refuses_cpu_tensors():
     with pytest.raises(WeightSyncError, match="CUDA"):
-        ws.serialize_cuda_bucket(torch.zeros(4, dtype=torch.uint8), [])
+        wt.serialize_cuda_bucket(torch.zeros(4, dtype=torch.uint8), [])
 
 
 def test_config_fields():
@@ -142,7 +144,7 @@ def test_config_fields():
     with pytest.raises(ValueError):
         LearnerConfig(weight_sync="rdma")
     s = ws.sync_from_config(LearnerConfig(weight_sync="nccl", weight_sync_bucket_mb=2, weight_sync_timeout_s=9))
-    assert isinstance(s, ws.NcclSync) and s.bucket_bytes == 2 * 2**20 and s.timeout_s == 9
+    assert isinstance(s, wn.NcclSync) and s.bucket_bytes == 2 * 2**20 and s.timeout_s == 9
     assert set(ws.SYNCS) == {"disk", "tensor", "nccl"} and ws.get_sync("disk").learner_pushes is False
 
 
@@ -177,10 +179,10 @@ def test_tensor_sync_call_sequence(fakes, monkeypatch):
         serialized.append(flat.numel())
         return f"payload-{len(serialized)}"
 
-    monkeypatch.setattr(ws, "serialize_cuda_bucket", fake_serialize)
+    monkeypatch.setattr(wt, "serialize_cuda_bucket", fake_serialize)
     m = Tiny()
     budget = 50 * 8 * 2  # the embedding alone fills one bucket
-    sync = ws.TensorSync(bucket_bytes=budget, timeout_s=10)
+    sync = wt.TensorSync(bucket_bytes=budget, timeout_s=10)
     out = sync.push(m, dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
                     version="4", flush_cache=True)
     nb = len(plan_buckets(ws.param_metas(m, torch.bfloat16), budget))
@@ -232,7 +234,7 @@ def test_nccl_sync_call_sequence(fakes):
         return g
 
     m = Tiny()
-    sync = ws.NcclSync(group_factory=factory, bucket_bytes=1000, timeout_s=10)
+    sync = wn.NcclSync(group_factory=factory, bucket_bytes=1000, timeout_s=10)
     urls = [f.url for f in fakes]
     out = sync.push(m, dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=urls, version="1")
     assert "sync/init_group_s" in out
@@ -272,7 +274,7 @@ def test_nccl_sync_fails_instead_of_hanging_when_a_server_refuses(fakes):
         return groups[-1]
 
     fakes[1].refuse.add("/update_weights_from_distributed")
-    sync = ws.NcclSync(group_factory=factory, timeout_s=20)
+    sync = wn.NcclSync(group_factory=factory, timeout_s=20)
     with pytest.raises(WeightSyncError, match="refused"):
         sync.push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
                   version="1")
@@ -280,16 +282,16 @@ def test_nccl_sync_fails_instead_of_hanging_when_a_server_refuses(fakes):
 
 
 def test_nonzero_rank_only_gathers(fakes):
-    sync = ws.NcclSync(group_factory=lambda *a, **k: pytest.fail("rank 1 must not create the group"), timeout_s=5)
+    sync = wn.NcclSync(group_factory=lambda *a, **k: pytest.fail("rank 1 must not create the group"), timeout_s=5)
     sync.push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=1, urls=[fakes[0].url], version="1")
     assert fakes[0].admin == []
 
 
 def test_refused_update_raises(fakes, monkeypatch):
-    monkeypatch.setattr(ws, "serialize_cuda_bucket", lambda flat, md: "x")
+    monkeypatch.setattr(wt, "serialize_cuda_bucket", lambda flat, md: "x")
     fakes[1].refuse.add("/update_weights_from_tensor")
     with pytest.raises(WeightSyncError, match="refused"):
-        ws.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
+        wt.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
                                         urls=[f.url for f in fakes], version="1")
 
 
@@ -330,7 +332,7 @@ def test_group_rendezvous_with_sglang_init_custom_process_group(tmp_path: Path):
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
 
     try:
-        g = ws.create_update_group("127.0.0.1", 0, 3, "agentloop-test", backend="gloo", timeout_s=120,
+        g = wn.create_update_group("127.0.0.1", 0, 3, "agentloop-test", backend="gloo", timeout_s=120,
                                    before_connect=start)
         g.broadcast(torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.uint8))
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -353,7 +355,7 @@ def test_mailbox_sync_handshake(tmp_path: Path):
     box.request_sync(1, "nccl")
     ev = client.wait_update_or_sync(1, 5)
     assert ev == SyncRequest(step=1, method="nccl")
-    client.allow_sync(ws.PushOrder(1, ("http://a", "http://b"), "abort"))
+    client.allow_sync(PushOrder(1, ("http://a", "http://b"), "abort"))
     assert box.wait_sync_go(1, 5)["urls"] == ["http://a", "http://b"]
     box.write_done(1, None, {"sync/total_s": 0.1}, pushed=True)
     upd = client.wait_update_or_sync(1, 5)  # sync.go is there: only update.done ends the wait now
@@ -366,7 +368,7 @@ def test_mailbox_sync_handshake(tmp_path: Path):
     # a resume past step 0 forgets the handshake files of later steps
     box.forget_after(0)
     assert not client.paths.sync_request(1).exists() and not client.paths.sync_go(1).exists()
-    from agentloop.train.mailbox import MailboxTimeout
+    from agentloop.train.handle.mailbox import MailboxTimeout
 
     with pytest.raises(MailboxTimeout):
         box.wait_sync_go(3, 0.05)
@@ -376,8 +378,8 @@ def test_orchestrator_learner_update_pauses_around_the_push(fakes, tmp_path: Pat
     """tensor/nccl: pause -> (learner pushes) -> resume; disk: pause -> update_weights_from_disk -> resume."""
     from agentloop.config import Config, ManagerConfig, load_config
     from agentloop.server_manager import ServerManager
-    from agentloop.train.learner_process import FileLearner
-    from agentloop.train.orchestrator import Trainer
+    from agentloop.train.orchestrator.learner_process import FileLearner
+    from agentloop.train.orchestrator.loop import Trainer
 
     push_cfg, disk_cfg = load_config(None, ["learner.weight_sync=tensor"]), Config()
     box = LearnerMailbox(tmp_path)
@@ -420,9 +422,9 @@ BOTH = pytest.mark.parametrize("fakes", [False, True], ids=["sglang-0.5.17", "sg
 def test_tensor_sync_opens_a_session_where_the_server_has_them(fakes, monkeypatch):
     """0.5.23 (weight_sessions): begin -> every bucket -> end, on every push. 0.5.17: the begin is a 404,
     remembered, and the buckets go without a session (as before)."""
-    monkeypatch.setattr(ws, "serialize_cuda_bucket", lambda flat, md: "x")
+    monkeypatch.setattr(wt, "serialize_cuda_bucket", lambda flat, md: "x")
     sessions = fakes[0].weight_sessions
-    sync = ws.TensorSync(bucket_bytes=50 * 8 * 2, timeout_s=10)
+    sync = wt.TensorSync(bucket_bytes=50 * 8 * 2, timeout_s=10)
     nb = len(plan_buckets(ws.param_metas(Tiny(), torch.bfloat16), 50 * 8 * 2))
     for version in ("1", "2"):
         sync.push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
@@ -440,19 +442,19 @@ def test_tensor_sync_opens_a_session_where_the_server_has_them(fakes, monkeypatc
 
 @pytest.mark.parametrize("fakes", [True], ids=["sglang-0.5.23"], indirect=True)
 def test_without_a_session_0523_refuses_and_a_stale_session_is_recovered(fakes, monkeypatch):
-    monkeypatch.setattr(ws, "serialize_cuda_bucket", lambda flat, md: "x")
+    monkeypatch.setattr(wt, "serialize_cuda_bucket", lambda flat, md: "x")
     # what the old code did (no begin): the server refuses, naming the protocol
     with pytest.raises(WeightSyncError, match="begin_weight_update"):
         ws.post_json(fakes[0].url, "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, 5)
     # a session left open by a push that died between begin and end: closed, then opened afresh
     fakes[0].session_open = True
-    ws.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
+    wt.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
                                     urls=[fakes[0].url], version="3")
     assert fakes[0].weight_version == "3" and not fakes[0].session_open
     # a push that fails mid-way still closes its sessions, and reports the failure, not the close
     fakes[1].refuse.add("/update_weights_from_tensor")
     with pytest.raises(WeightSyncError, match="refused"):
-        ws.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
+        wt.TensorSync(timeout_s=5).push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0,
                                         urls=[f.url for f in fakes], version="4")
     assert [f.session_open for f in fakes] == [False, False]
     assert _paths(fakes[1])[-1] == "/end_weight_update"
@@ -466,7 +468,7 @@ def test_nccl_sync_sessions(fakes):
         groups.append(FakeGroup([], addr, port, world, name, backend, timeout_s, before_connect))
         return groups[-1]
 
-    sync = ws.NcclSync(group_factory=factory, bucket_bytes=1000, timeout_s=10)
+    sync = wn.NcclSync(group_factory=factory, bucket_bytes=1000, timeout_s=10)
     sync.push(Tiny(), dtype=torch.bfloat16, device=torch.device("cpu"), rank=0, urls=[f.url for f in fakes],
               version="1")
     nb = len(plan_buckets(ws.param_metas(Tiny(), torch.bfloat16), 1000))

@@ -1,4 +1,4 @@
-"""The weight transport's server halves (agentloop.train.weight_transport) against scripted servers, with a
+"""The weight transport's server halves (agentloop.train.weights.servers) against scripted servers, with a
 scripted learner handle: each path gets the weights into the servers in the interrupt mode it was given, and the
 mode travels to the learner with the push."""
 
@@ -12,9 +12,9 @@ import pytest
 from agentloop.config import ManagerConfig
 from agentloop.interrupt import interrupt_policy
 from agentloop.server_manager import ServerManager
-from agentloop.train.handle import LearnerHandle, SyncRequest, UpdateResult, WeightsOnDisk
-from agentloop.train.weight_sync import SYNCS, PushOrder
-from agentloop.train.weight_transport import HALVES, DiskHalf, PushHalf, TransportError
+from agentloop.train.handle.protocol import LearnerHandle, PushOrder, SyncRequest, UpdateResult, WeightsOnDisk
+from agentloop.train.weights.servers import HALVES, DiskHalf, PushHalf, TransportError
+from agentloop.train.weights.sync import SYNCS
 from tests.fakes.fake_sglang import FakeSGLang
 
 

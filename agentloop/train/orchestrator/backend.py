@@ -1,7 +1,7 @@
 """Where a training run's parts run: `cluster.backend`.
 
     Backend        the protocol: `server_pool` (the servers: agentloop.inference.serving.ServerPool), `learner`
-                   (the learner: agentloop.train.handle.LearnerHandle), `start` / `close` around the run
+                   (the learner: agentloop.train.handle.protocol.LearnerHandle), `start` / `close` around the run
     LocalBackend   this host (or a shared filesystem): launched or given servers, the learner as a child process
                    group talking through the file mailbox (FileLearner)
 The Ray backend (agentloop.cluster.RayBackend: server, learner-rank and rollout actors) implements the same
@@ -16,8 +16,8 @@ from typing import Any
 
 from agentloop.config import Config
 from agentloop.inference.serving import ServerPool, pool_for
-from agentloop.train.handle import LearnerHandle
-from agentloop.train.learner_process import FileLearner
+from agentloop.train.handle.protocol import LearnerHandle
+from agentloop.train.orchestrator.learner_process import FileLearner
 
 
 class Backend(abc.ABC):

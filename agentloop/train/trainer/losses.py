@@ -38,7 +38,7 @@ and `old` depends on `AlgoConfig.old_logprobs`:
              the product over the token's episode: verl's rollout_is=sequence), and tokens whose w lies
              outside [mask_ratio_low, mask_ratio_high] are masked out. Mismatch metrics compare pi_prox
              with mu. (verl's rollout_rs rejection is applied before this, to the mask and the weights:
-             agentloop.train.verl_order.)
+             agentloop.train.trainer.verl_order.)
   rollout    old = mu. No extra forward pass; r = pi_theta / mu already contains the mismatch and the
              trust region is taken around mu. No importance weight. Mismatch metrics compare the current
              logprobs (detached) with mu, which is learner-vs-rollout on the first forward pass of a step.
@@ -278,7 +278,7 @@ def policy_loss(
                 if cfg.tis_level == "sequence":
                     if seq_ids is None:
                         raise ValueError("algo.tis_level=sequence needs seq_ids")
-                    from agentloop.train.rollout_correction import sequence_log_ratio
+                    from agentloop.train.trainer.rollout_correction import sequence_log_ratio
 
                     # verl's rollout_is=sequence: the product of the episode's token ratios, from the summed
                     # (unbounded) log-ratios, bounded once

@@ -8,17 +8,18 @@ Two protocols, one per side, and the facts that cross between them:
     LearnerInbox    learner rank 0's side: report its state, the next message (a batch, a stop), results,
                     ask for paused servers before a push, the final save
     LearnerInfo     what a ready learner says: next step, the checkpoint it resumed from, the data state stored
-                    with the last batch it trained, its batch layout (batch_plan.BatchLayout)
+                    with the last batch it trained, its batch layout (agentloop.train.batch.format.BatchLayout)
     UpdateResult    a step's update: its learner metrics and where its weights are (WeightsOnDisk) or that the
                     learner pushed them itself
     SyncRequest     "pause the servers, then tell me where to push" (weight_sync tensor|nccl)
+    PushOrder       the server half's answer to a SyncRequest: the URLs to push to and the interrupt mode
     WeightsOnDisk   an HF directory of the learner's, and how a server pool reaches it (`host`: None when the
                     path is readable where the servers run: one host or a shared filesystem)
     FinalResult     the final save: HF weights and checkpoint of the last step
     LearnerError    base of LearnerTimeout, LearnerDiedError, LearnerFailedError
 
-Implementations: FileLearner (agentloop.train.learner_process: a child process group and the file mailbox,
-agentloop.train.mailbox) and RayLearner (agentloop.cluster.ray_learner: rank actors, batches and control
+Implementations: FileLearner (agentloop.train.orchestrator.learner_process: a child process group and the file mailbox,
+agentloop.train.handle.mailbox) and RayLearner (agentloop.cluster.ray_learner: rank actors, batches and control
 through Ray). The same tests run against both (tests/unit/train/test_handle.py).
 
 Every wait takes a deadline; every method that crosses to the learner is async, so the orchestrator's event
@@ -67,6 +68,33 @@ class WeightsOnDisk:
     node)."""
 
 
+@dataclass(frozen=True)
+class PushOrder:
+    """The server half's answer to a learner that asked for paused servers: push step's weights to `urls`; the
+    servers were paused in `interrupt` mode, and the push flushes their prefix caches only where that mode allows
+    it (its policy's `flush_in_update`, agentloop.interrupt). Travels as JSON (the mailbox's sync.go, Ray)."""
+
+    step: int
+    urls: tuple[str, ...]
+    interrupt: str | None = None
+    """abort | retract | in_place; None (an order without a mode, an older orchestrator's): no flush, the safe
+    side (a refused flush inside an update kills SGLang 0.5.17's scheduler, a missing one only keeps stale KV)."""
+
+    @property
+    def flush_cache(self) -> bool:
+        """Whether the push's last call flushes the prefix cache; ValueError for an unknown mode."""
+        from agentloop.interrupt import interrupt_policy
+
+        return interrupt_policy(self.interrupt).flush_in_update if self.interrupt else False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "urls": list(self.urls), "interrupt": self.interrupt}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PushOrder:
+        return cls(step=int(d.get("step", 0)), urls=tuple(d.get("urls") or ()), interrupt=d.get("interrupt"))
+
+
 @dataclass
 class LearnerInfo:
     next_step: int
@@ -77,7 +105,7 @@ class LearnerInfo:
     """The data state stored with the last batch it trained (None: a fresh start)."""
     world_size: int = 1
     layout: dict[str, Any] = field(default_factory=dict)
-    """batch_plan.BatchLayout as JSON: how the learner lays out micro-batches."""
+    """agentloop.train.batch.format.BatchLayout as JSON: how the learner lays out micro-batches."""
     probe: dict[str, Any] | None = None
     """A fresh learner's first forward: {"ids": token ids, "logprobs": log-probs of ids[1:] at temperature 1},
     which the servers' own log-probs of the same ids must match (served_model.check_served_logprobs)."""
@@ -133,8 +161,8 @@ class LearnerHandle(abc.ABC):
 
     @abc.abstractmethod
     async def submit(self, step: int, batch: Any, *, data_position: Any = None) -> None:
-        """Hand the learner step's batch (batch_plan.TrainBatch) and the data state to store with it; a step
-        submitted before is not submitted again."""
+        """Hand the learner step's batch (agentloop.train.batch.format.TrainBatch) and the data state to store
+        with it; a step submitted before is not submitted again."""
 
     @abc.abstractmethod
     async def wait_update_or_sync(self, step: int, timeout_s: float) -> UpdateResult | SyncRequest:
@@ -235,6 +263,7 @@ __all__ = [
     "LearnerInbox",
     "LearnerInfo",
     "LearnerTimeout",
+    "PushOrder",
     "SyncRequest",
     "UpdateResult",
     "WeightsOnDisk",

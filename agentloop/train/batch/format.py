@@ -4,7 +4,7 @@ The orchestrator holds the step's GRPO groups, so it computes what the learner w
 whole records: the episodes that enter the loss with their advantages, the step's batch metrics, the
 mini-batches, and every rank's packed micro-batches (which episodes share a row, which rows share a forward).
 The learner receives exactly that (token ids, masks, behaviour logprobs, versions, advantages, the plan) and
-only turns its own rank's share into tensors (agentloop.train.batching.collate_micro_batches). No text, no
+only turns its own rank's share into tensors (agentloop.train.trainer.collate.collate_micro_batches). No text, no
 message lists, no record fields the learner never reads travel.
 
 Map:
@@ -12,9 +12,8 @@ Map:
                    sharing, the FLOP model's row cost, token budget, padding): reported by the learner when
                    it is ready (LearnerInfo.layout), so the orchestrator plans for the learner it talks to
     TrainBatch     one step: episodes as flat arrays, per-episode scalars, the plan, the metrics, and what
-                   verl's order of a step re-estimates from (agentloop.train.verl_order)
-    prepare_batch  records -> TrainBatch (orchestrator side; the same functions the learner ran before, so the
-                   learner trains the same numbers)
+                   verl's order of a step re-estimates from (agentloop.train.trainer.verl_order)
+    prepare_batch  (agentloop.train.batch.prepare) records -> TrainBatch, on the orchestrator's side
     TrainBatch.encode / decode   the binary form (below)
 
 Binary form: b"ALTB" + format version (u32) + header length (u64) + a JSON header (step, layout, metrics, the
@@ -37,9 +36,7 @@ import numpy as np
 from agentloop.errors import AgentLoopError
 
 if TYPE_CHECKING:
-    from agentloop.records import EpisodeRecord
-    from agentloop.train.batching import Episode, Prepared
-    from agentloop.train.config import AlgoConfig
+    from agentloop.train.batch.episodes import Episode, Prepared
 
 MAGIC = b"ALTB"
 FORMAT = 1
@@ -124,7 +121,7 @@ class TrainBatch:
     minis: list[list[int]]
     """The mini-batches (episode indices)."""
     plan: list[list[list[list[list[int]]]]]
-    """[mini-batch][rank][micro-batch][row] -> episode indices (agentloop.train.batching.plan_ranks)."""
+    """[mini-batch][rank][micro-batch][row] -> episode indices (agentloop.train.trainer.collate.plan_ranks)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """batch/*, reward/*, adv/*, async/* numbers of the step (the learner reports them with its own)."""
 
@@ -148,8 +145,8 @@ class TrainBatch:
         return self.ids[self.id_off[i] + self.prompt_len[i]:self.id_off[i + 1]].tolist()
 
     def episodes(self) -> list[Episode]:
-        """The episodes the plan indexes, as agentloop.train.batching collates them."""
-        from agentloop.train.batching import Episode
+        """The episodes the plan indexes, as agentloop.train.trainer.collate collates them."""
+        from agentloop.train.batch.episodes import Episode
 
         ro = self.resp_off
         out = []
@@ -163,10 +160,10 @@ class TrainBatch:
         return out
 
     def prepared(self, episodes: list[Episode] | None = None) -> Prepared:
-        """The batch as agentloop.train.batching.prepare_episodes made it (verl's order re-estimates from it)."""
+        """The batch as agentloop.train.trainer.collate.prepare_episodes made it (verl's order re-estimates from it)."""
         import torch
 
-        from agentloop.train.batching import Prepared
+        from agentloop.train.batch.episodes import Prepared
 
         return Prepared(episodes=episodes if episodes is not None else self.episodes(), metrics=dict(self.metrics),
                         ok_rewards=torch.from_numpy(self.ok_rewards.astype(np.float64)),
@@ -217,50 +214,4 @@ class TrainBatch:
                    plan=header["plan"], metrics=header["metrics"], **arrays)
 
 
-def prepare_batch(records: list[EpisodeRecord], algo: AlgoConfig, layout: BatchLayout, step: int) -> TrainBatch:
-    """The step's batch from its usable records: advantages per GRPO group (prepare_episodes), staleness numbers,
-    the mini-batch split and every rank's micro-batches, as the learner laid them out before it received them
-    ready-made (so the learner's numbers are unchanged)."""
-    from agentloop.train.batching import RowCost, mini_batch_indices, plan_ranks, prepare_episodes, staleness_metrics
-
-    prepared = prepare_episodes(list(records), algo)
-    eps = prepared.episodes
-    metrics = dict(prepared.metrics)
-    metrics.update(staleness_metrics(eps, step))
-    minis = mini_batch_indices(len(eps), layout.mini_batches, seed=layout.seed * 1_000_003 + step) if eps else []
-    cost = RowCost(*layout.row_cost) if layout.row_cost is not None else None
-    plan = [plan_ranks(eps, idxs, budget=layout.budget, world=layout.world, share=layout.share, cost=cost)
-            for idxs in minis]
-    return _pack(step, layout, eps, prepared, minis, plan, metrics)
-
-
-def _pack(step: int, layout: BatchLayout, eps: list[Episode], prepared: Prepared, minis: list[list[int]],
-          plan: list, metrics: dict[str, float]) -> TrainBatch:
-    n = len(eps)
-    lens = [len(e.ids) for e in eps]
-    rlens = [len(e.response_mask) for e in eps]
-    for i, e in enumerate(eps):
-        if lens[i] - e.prompt_len != rlens[i]:
-            raise ValueError(f"episode {i}: {lens[i] - e.prompt_len} response tokens but {rlens[i]} mask entries")
-    flat = [t for e in eps for t in e.ids]
-    return TrainBatch(
-        step=step, layout=layout,
-        ids=np.asarray(flat, dtype=np.int32) if flat else np.zeros(0, np.int32),
-        id_off=np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64),
-        prompt_len=np.asarray([e.prompt_len for e in eps], dtype=np.int32),
-        response_mask=np.asarray([m for e in eps for m in e.response_mask], dtype=np.uint8),
-        logprobs=np.asarray([x for e in eps for x in e.rollout_logprobs], dtype=np.float32),
-        versions=np.asarray([v for e in eps for v in (e.versions if e.versions is not None
-                                                      else [-1] * len(e.response_mask))], dtype=np.int32),
-        has_versions=np.asarray([e.versions is not None for e in eps], dtype=np.uint8),
-        advantage=np.asarray([e.advantage for e in eps], dtype=np.float64),
-        reward=np.asarray([e.reward for e in eps], dtype=np.float64),
-        uid=np.asarray(prepared.uids, dtype=np.int64).reshape(n),
-        ok_rewards=prepared.ok_rewards.numpy().astype(np.float64),
-        ok_groups=prepared.ok_groups.numpy().astype(np.int64),
-        ok_lengths=prepared.ok_lengths.numpy().astype(np.int64),
-        ok_episode=np.asarray(prepared.ok_episode, dtype=np.int64),
-        minis=[list(m) for m in minis], plan=plan, metrics=metrics)
-
-
-__all__ = ["BatchFormatError", "BatchLayout", "TrainBatch", "prepare_batch"]
+__all__ = ["BatchFormatError", "BatchLayout", "TrainBatch"]

@@ -1,6 +1,6 @@
 """The file protocol between the orchestrator (rollouts) and the learner ranks: one implementation of the
-learner handle (agentloop.train.handle; FileLearner in learner_process.py wraps MailboxClient and the learner
-process), LearnerMailbox its learner side.
+learner handle (agentloop.train.handle.protocol; FileLearner in agentloop.train.orchestrator.learner_process
+wraps MailboxClient and the learner process), LearnerMailbox its learner side.
 
 Both sides only need a shared filesystem, so they may run on different machines. Layout:
 
@@ -9,7 +9,7 @@ Both sides only need a shared filesystem, so they may run on different machines.
                                                lays out micro-batches), heartbeat (rewritten every few
                                                seconds by a thread)
     RUN_DIR/mailbox/step-000001/batch.bin      orchestrator: step 1's batch as the learner trains it
-                                               (agentloop.train.batch_plan.TrainBatch, binary)
+                                               (agentloop.train.batch.format.TrainBatch, binary)
     RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after batch.bin: {"step", "num_episodes",
                                                "bytes", "data_position", "time"}
     RUN_DIR/mailbox/step-000001/sync.request   learner (weight_sync tensor|nccl), after training:
@@ -64,7 +64,7 @@ otherwise it checks that learner.json's heartbeat is younger than `heartbeat_tim
 Map:
     MailboxPaths      where everything lives
     MailboxClient     orchestrator side (blocking calls; FileLearner runs them off the event loop)
-    LearnerMailbox    learner rank 0 side, a handle.LearnerInbox (the loop itself is `agentloop.train.learner.serve`)
+    LearnerMailbox    learner rank 0 side, a handle.LearnerInbox (the loop itself is `agentloop.train.trainer.serve`)
     read_batch        a submitted step's batch (TrainBatch), for tests and inspection
 The errors are the handle's (MailboxError = LearnerError, MailboxTimeout = LearnerTimeout, LearnerDiedError,
 LearnerFailedError), as are UpdateResult and SyncRequest.
@@ -82,18 +82,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentloop.train.batch_plan import BatchLayout, TrainBatch, prepare_batch
-from agentloop.train.handle import (
+from agentloop.train.batch.format import BatchLayout, TrainBatch
+from agentloop.train.batch.prepare import prepare_batch
+from agentloop.train.handle.protocol import (
     LearnerDiedError,
     LearnerError,
     LearnerFailedError,
     LearnerInbox,
     LearnerTimeout,
+    PushOrder,
     SyncRequest,
     UpdateResult,
     WeightsOnDisk,
 )
-from agentloop.train.weight_sync import PushOrder
 from agentloop.util.fsio import atomic_write_bytes, atomic_write_json
 
 MailboxError = LearnerError
@@ -196,9 +197,9 @@ class MailboxClient:
 
     def submit_records(self, step: int, records: list[Any], algo: Any, *, data_position: Any = None,
                        layout: BatchLayout | None = None) -> Path:
-        """Prepare step's batch from its usable records as the orchestrator does (batch_plan.prepare_batch with
-        `algo`, for the layout the learner reported in learner.json unless `layout` is given) and submit it: for
-        a learner driven by hand (tests, benchmarks)."""
+        """Prepare step's batch from its usable records as the orchestrator does (prepare_batch with `algo`, for
+        the layout the learner reported in learner.json unless `layout` is given) and submit it: for a learner
+        driven by hand (tests, benchmarks)."""
         if layout is None:
             reported = (self.learner_info() or {}).get("layout")
             layout = BatchLayout.from_json(reported) if reported else BatchLayout()

@@ -3,7 +3,7 @@ FlashAttention (CUDA), a FlexAttention block mask (CUDA) or a dense boolean mask
 attention functions that run the first two.
 
 Map:
-    allowed            the rule on (doc_ids, seg_ids) of agentloop.train.batching's packed layout
+    allowed            the rule on (doc_ids, seg_ids) of agentloop.train.trainer.collate's packed layout
     dense_mask         [1, 1, L, L] boolean mask for SDPA (learner.attention=packed_sdpa)
     block_mask         FlexAttention BlockMask, built a band of query blocks at a time (never L x L at once)
     FLEX_IMPL, register_flex   "agentloop_flex": a HF attention function that calls compiled flex_attention

@@ -1,51 +1,16 @@
-"""The FSDP2 learner: a `Learner` class (usable in-process) and the mailbox-driven learner process.
-
-Launch (one machine, N ranks; gloo on CPU, nccl on GPU):
-
-    python -m torch.distributed.run --standalone --nproc-per-node N \\
-        -m agentloop.train.learner --run-dir RUN_DIR --model MODEL_DIR \\
-        [--config CONFIG.yaml] [--set algo.kl_coef=0.01 --set learner.lr=1e-6 ...] \\
-        [--no-resume] [--heartbeat-s 5]
-
-With one rank, `python -m agentloop.train.learner ...` works too (it starts its own
-single-rank process group). `learner_command(...)` builds either command line.
-
-    --run-dir    shared directory with mailbox/, weights/, checkpoints/ (see agentloop.train.mailbox)
-    --model      HF model directory to start from (also the frozen reference when kl_coef > 0)
-    --config     YAML or JSON file; its `algo:` and `learner:` sections are used, other
-                 top-level keys are ignored (so the run's resolved config file works as is)
-    --set        `algo.key=value` / `learner.key=value` overrides, values parsed as YAML
-    --no-resume  start from --model even if RUN_DIR/checkpoints holds a checkpoint
-
-The process trains mailbox steps in order until RUN_DIR/mailbox/STOP appears (exit 0; a final STOP,
-the run's normal end, first saves the last step's HF weights and checkpoint where missing), a
-step fails (update.failed written, exit 1) or no batch arrives within
-`learner.batch_timeout_s` (exit 2). The resolved config is written to
-RUN_DIR/learner_config.json.
-
-Its log (LearnerProcess points stdout and stderr at RUN_DIR/learner.log): rank 0 writes one line
-when the model is loaded, when it is ready (fresh or resumed), per step (loss, grad norm, KL,
-entropy, tokens/s, time, where the weights went) before the step's update.done appears, per
-checkpoint, and when it stops, times out or fails (with the traceback); other ranks write warnings
-only. Lines go through the `agentloop.train.learner` logger, whose handler `main` installs on stdout
-and which flushes every line, so they reach the file as they happen whatever the stdout buffering.
+"""The FSDP2 learner: the `Learner` class, usable in-process (the learner process runs it through
+agentloop.train.trainer.serve).
 
 Map:
     lr_at                  warmup (clipped to total_steps) + constant/cosine schedule, a pure function of the step
-    init_distributed       join torchrun's process group, or make a single-rank one
-    Learner                model + optimizer (+ reference); compute_logprobs, train_step, save_hf,
-                           save_checkpoint (sync or background), poll/wait_checkpoint, load_checkpoint, close
-    serve                  the learner loop (rank 0 polls the inbox and broadcasts; every rank trains and logs);
-                           the inbox is the file mailbox, or the Ray learner's (agentloop.cluster)
-    plan_final_save        what the end of a run still writes (pure); save_final writes it, for every sync path
-    log_to_stdout          the learner process's log handler (flushed line by line)
-    _ask_push              weight_sync tensor|nccl: ask for paused servers, learn where to push (every rank)
-    main                   the command line (learner_process.learner_command builds it)
+    Learner                model + optimizer (+ reference); layout, compute_logprobs, train_batch (a prepared
+                           batch), train_step (records: prepares the batch itself), save_hf, save_checkpoint (sync
+                           or background), poll/wait_checkpoint, load_checkpoint, close
 
-Who calls whom: serve -> Learner -> batching / attention / logprobs / losses / checkpoint; serve ->
-weight_sync (the transport's learner half: save or push); Learner never touches the mailbox, so it is the API
-for an in-process trainer too. The step's batch arrives prepared (batch_plan.TrainBatch: advantages and every
-rank's micro-batches, computed by the orchestrator); `train_step(records)` prepares one itself.
+Who calls whom: Learner -> collate / attention / logprobs / losses / checkpoint / verl_order; the Learner never
+touches the learner handle or the weight transport (agentloop.train.trainer.serve does), so it is the API for an
+in-process trainer too. The step's batch arrives prepared (agentloop.train.batch: advantages and every rank's
+micro-batches, computed by the orchestrator); `train_step(records)` prepares one itself.
 
 How a step runs (train_step):
   * Model check (first, from the config alone): agentloop.train.model_support refuses a model the learner
@@ -56,9 +21,9 @@ How a step runs (train_step):
     float32 master weights and reductions on GPU) and receives its shards from rank 0.
   * Layout (learner.attention): on CUDA, micro-batches are packed rows without padding, each sequence
     with its own position ids, attention through a FlexAttention block mask that also expresses shared
-    prompts block-sparsely (agentloop.train.attention); on CPU, padded rows (or packed ones with a dense
+    prompts block-sparsely (agentloop.train.trainer.attention); on CPU, padded rows (or packed ones with a dense
     mask). The model is checked to run an attention implementation that applies that mask.
-  * Logprobs and entropy come from the final hidden states through agentloop.train.logprobs, in chunks:
+  * Logprobs and entropy come from the final hidden states through agentloop.train.trainer.logprobs, in chunks:
     no [tokens x vocab] float32 tensor exists, in the forward or the backward pass. The model's own
     post-processing of its head output is switched off and applied by that head; a forward that still
     changes the head's output fails the step.
@@ -73,41 +38,22 @@ How a step runs (train_step):
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from agentloop.train.config import AlgoConfig, LearnerConfig
 from agentloop.train.probe import PROBE_TOKENS, probe_ids
+from agentloop.train.trainer.distributed import broadcast, init_distributed, resolve_device
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
-logger = logging.getLogger("agentloop.train.learner")
-__all__ = [
-    "EXIT_FAILED",
-    "EXIT_OK",
-    "EXIT_TIMEOUT",
-    "FinalPlan",
-    "Learner",
-    "init_distributed",
-    "load_sections",
-    "log_to_stdout",
-    "lr_at",
-    "main",
-    "plan_final_save",
-    "resolve_device",
-    "save_final",
-    "serve",
-]
+__all__ = ["Learner", "lr_at", "needs_reference", "old_logprob_pass", "verl_order"]
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -121,38 +67,6 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
     total = cfg.total_steps or step
     progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def resolve_device(cfg: LearnerConfig) -> str:
-    import torch
-
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.device
-
-
-def init_distributed(cfg: LearnerConfig, device: str) -> bool:
-    """Join torchrun's group (env RANK/WORLD_SIZE) or create a one-rank group on an in-memory store.
-
-    Returns True when this call created the group (so `Learner.close` destroys it); an already
-    initialised group is reused as is.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return False
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
-    kw: dict[str, Any] = {}
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        kw["device_id"] = torch.device("cuda", local)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, **kw)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
-    return True
 
 
 def _copy_aux_files(src: Path, dst: Path) -> None:
@@ -176,7 +90,7 @@ def old_logprob_pass(algo, cfg) -> bool:
 
 def verl_order(algo) -> bool:
     """Whether a step decides masks and advantages from the step-start logprobs before the update (verl's
-    KL in the reward, rejection sampling: agentloop.train.verl_order), which then need their own pass."""
+    KL in the reward, rejection sampling: agentloop.train.trainer.verl_order), which then need their own pass."""
     return algo.use_kl_in_reward or algo.rollout_rs is not None
 
 
@@ -205,9 +119,9 @@ class Learner:
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoConfig
 
-        from agentloop.train.advantages import get_estimator
-        from agentloop.train.attention import register_flex, register_varlen, resolve_attention
+        from agentloop.train.batch.advantages import get_estimator
         from agentloop.train.model_support import require_model_support
+        from agentloop.train.trainer.attention import register_flex, register_varlen, resolve_attention
 
         self.algo = algo or AlgoConfig()
         self.cfg = cfg or LearnerConfig()
@@ -260,7 +174,7 @@ class Learner:
         if needs_reference(self.algo):
             self.ref_model = self._build(src, dtype=self.compute_dtype, trainable=False)
         del src
-        from agentloop.train.logprobs import LogprobHead
+        from agentloop.train.trainer.logprobs import LogprobHead
 
         transform = self.support.transform()
         self._heads = {id(self.model): LogprobHead(self.model, transform)}
@@ -271,7 +185,7 @@ class Learner:
             weight_decay=self.cfg.weight_decay,
         )
         self._ckpt = None  # CheckpointWriter, created at the first background save
-        from agentloop.train.verl_order import KLController
+        from agentloop.train.trainer.verl_order import KLController
 
         self.kl_ctrl = KLController(self.algo)
         """beta of algo.use_kl_in_reward (adaptive: saved in checkpoints' extra as kl_ctrl_value)."""
@@ -303,8 +217,8 @@ class Learner:
         )
         from transformers import AutoModelForCausalLM
 
-        from agentloop.train.attention import check_attn_impl, model_attn_impl
         from agentloop.train.model_support import neutralize_head
+        from agentloop.train.trainer.attention import check_attn_impl, model_attn_impl
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(self.hf_config), dtype=dtype,
@@ -322,7 +236,7 @@ class Learner:
         state = {} if src is None else {k: v.to(dtype) for k, v in src["state"].items()}
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
                                                                     broadcast_from_rank0=self.world > 1))
-        extras = _bcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
+        extras = broadcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
         self._fill_extras(model, extras)
         if self.compiled:  # the reference model's no-grad forward gains from fused layers too
             for layer in layers:
@@ -374,11 +288,11 @@ class Learner:
 
     # forward ---------------------------------------------------------------------------------
     def layout(self):
-        """How this learner lays out micro-batches (batch_plan.BatchLayout): what the orchestrator plans a step's
-        batch for. Shared prompts per config (auto: always with varlen/flex, which never compute a shared row's
-        masked pairs), packed rows for varlen/flex/packed_sdpa."""
-        from agentloop.train.attention import BLOCK
-        from agentloop.train.batch_plan import BatchLayout
+        """How this learner lays out micro-batches (agentloop.train.batch.format.BatchLayout): what the
+        orchestrator plans a step's batch for. Shared prompts per config (auto: always with varlen/flex, which
+        never compute a shared row's masked pairs), packed rows for varlen/flex/packed_sdpa."""
+        from agentloop.train.batch.format import BatchLayout
+        from agentloop.train.trainer.attention import BLOCK
 
         share = self.cfg.share_prompt
         if share == "auto" and self.attention in ("flex", "varlen"):
@@ -396,7 +310,8 @@ class Learner:
 
     def _collate(self, eps, micro_batches, idxs, layout):
         """This rank's micro-batches (rows of episode indices) of the mini-batch `idxs`, as tensors."""
-        from agentloop.train.batching import collate_micro_batches, mini_batch_totals
+        from agentloop.train.batch.packing import mini_batch_totals
+        from agentloop.train.trainer.collate import collate_micro_batches
 
         num_tokens, num_seqs = mini_batch_totals(eps, idxs)
         return collate_micro_batches(eps, micro_batches, self.algo.loss_agg_mode, num_tokens=num_tokens,
@@ -405,7 +320,8 @@ class Learner:
 
     def _plan(self, eps, idxs):
         """This rank's micro-batches of episodes[idxs] (token budget, shared prompts per config)."""
-        from agentloop.train.batching import RowCost, plan_ranks
+        from agentloop.train.batch.packing import plan_ranks
+        from agentloop.train.flops import RowCost
 
         lay = self.layout()
         mine = plan_ranks(eps, idxs, budget=lay.budget, world=lay.world, share=lay.share,
@@ -416,7 +332,7 @@ class Learner:
         """Move micro-batch `mb` to the learner's device, its attention inputs built first: the varlen
         segments are read from the host's copy of the row's ids, so no forward waits on a device-to-host copy
         (a sync per micro-batch would stall the queued kernels)."""
-        from agentloop.train.attention import attention_inputs
+        from agentloop.train.trainer.attention import attention_inputs
 
         attention_inputs(mb, self.attention, self.device)
         mb.to(self.device)
@@ -429,7 +345,7 @@ class Learner:
 
     def _forward(self, model, mb, *, entropy: bool, entropy_grad: bool):
         """(logp, entropy or None) of mb's targets, Tensor[b, L] float32, without [L x vocab] tensors."""
-        from agentloop.train.attention import attention_inputs
+        from agentloop.train.trainer.attention import attention_inputs
 
         head = self._heads[id(model)]
         attn = attention_inputs(mb, self.attention, self.device)
@@ -446,7 +362,7 @@ class Learner:
         return res[..., 0], (res[..., 1] if entropy else None)
 
     def _episodes(self, records) -> list:
-        from agentloop.train.batching import Episode
+        from agentloop.train.batch.episodes import Episode
 
         return [Episode(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids), list(r.response_mask),
                         list(r.response_logprobs), 0.0, 0.0) for r in records]
@@ -501,14 +417,14 @@ class Learner:
 
     def train_step(self, records, step: int) -> dict[str, float]:
         """One training step on `records` (every rank passes the same full list): the batch the orchestrator
-        would send (batch_plan.prepare_batch with this learner's layout), then `train_batch`."""
-        from agentloop.train.batch_plan import prepare_batch
+        would send (agentloop.train.batch.prepare.prepare_batch with this learner's layout), then `train_batch`."""
+        from agentloop.train.batch.prepare import prepare_batch
 
         return self.train_batch(prepare_batch(list(records), self.algo, self.layout(), step))
 
     def train_batch(self, batch) -> dict[str, float]:
-        """One training step on a prepared batch (batch_plan.TrainBatch; every rank passes the same one, each
-        collates its own micro-batches); returns metrics.
+        """One training step on a prepared batch (agentloop.train.batch.format.TrainBatch; every rank passes the
+        same one, each collates its own micro-batches); returns metrics.
 
         The batch holds the episodes that enter the loss with their advantages and every rank's micro-batches;
         then `ppo_epochs` x `mini_batches` optimizer steps. Metric names: batch/*, reward/*, adv/*, actor/*,
@@ -519,8 +435,8 @@ class Learner:
         import torch
         import torch.distributed as dist
 
-        from agentloop.train.batching import kl_reward_advantages
-        from agentloop.train.losses import Stats, interpolate_proximal
+        from agentloop.train.trainer.collate import kl_reward_advantages
+        from agentloop.train.trainer.losses import Stats, interpolate_proximal
 
         t0 = time.perf_counter()
         algo, cfg = self.algo, self.cfg
@@ -567,7 +483,7 @@ class Learner:
                         if self.ref_model is not None:
                             mb.ref_logprobs, _ = self._forward(self.ref_model, mb, entropy=False, entropy_grad=False)
         if verl_order(algo):
-            from agentloop.train.verl_order import apply_verl_order
+            from agentloop.train.trainer.verl_order import apply_verl_order
 
             def reduce_sum(t):
                 if self.world > 1:
@@ -763,12 +679,12 @@ class Learner:
         self, root: str | Path, *, data_position: Any = None, extra: dict[str, Any] | None = None,
         background: bool = False,
     ) -> Path:
-        """Collective: resumable checkpoint of `self.step` under root (see agentloop.train.checkpoint).
+        """Collective: resumable checkpoint of `self.step` under root (see agentloop.train.trainer.checkpoint).
 
         background=True: returns once the state is being copied; the files are written while training goes
         on and the checkpoint appears (atomically) when `poll_checkpoint` / `wait_checkpoint` finalizes it.
         """
-        from agentloop.train.checkpoint import CheckpointWriter, save_checkpoint
+        from agentloop.train.trainer.checkpoint import CheckpointWriter, save_checkpoint
 
         if self.kl_ctrl.adaptive:
             extra = {**(extra or {}), "kl_ctrl_value": self.kl_ctrl.value}
@@ -799,7 +715,7 @@ class Learner:
 
     def load_checkpoint(self, path: str | Path):
         """Collective: restore weights, optimizer, RNG and `self.step`; returns the CheckpointMeta."""
-        from agentloop.train.checkpoint import load_checkpoint
+        from agentloop.train.trainer.checkpoint import load_checkpoint
 
         self.wait_checkpoint()
         meta = load_checkpoint(path, self.model, self.optimizer)
@@ -824,370 +740,4 @@ class Learner:
             dist.destroy_process_group()
             self._owns_group = False
 
-
-# the mailbox loop ----------------------------------------------------------------------------
-
-EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
-
-
-def _bcast(obj: Any, device) -> Any:
-    import torch.distributed as dist
-
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, device=device)
-    return box[0]
-
-
-def serve(
-    run_dir: str | Path,
-    model_path: str | Path,
-    algo: AlgoConfig,
-    cfg: LearnerConfig,
-    *,
-    resume: bool = True,
-    heartbeat_s: float = 5.0,
-    max_len: int | None = None,
-    inbox: Any = None,
-) -> int:
-    """Train the steps the inbox hands over until a stop; returns an exit code (EXIT_OK / EXIT_FAILED /
-    EXIT_TIMEOUT).
-
-    `run_dir` holds the learner's files (weights/, checkpoints/, learner_config.json). `inbox`: how rank 0 hears
-    from the orchestrator (handle.LearnerInbox; called on rank 0 only, with the time this learner started): by
-    default the file mailbox in run_dir (agentloop.train.mailbox.LearnerMailbox). Rank 0 polls it and broadcasts
-    one message per poll ("wait", "batch", "stop", "timeout") so the other ranks never sit in a collective
-    longer than `poll_s`.
-    """
-    import torch.distributed as dist
-
-    from agentloop.train.checkpoint import latest_checkpoint
-    from agentloop.train.handle import LearnerError
-    from agentloop.train.mailbox import LearnerMailbox, MailboxPaths
-    from agentloop.train.weight_sync import sync_from_config
-
-    started = time.time()
-    paths = MailboxPaths(Path(run_dir))
-    learner = Learner(model_path, algo, cfg, max_len=max_len)
-    rank = learner.rank
-    if rank == 0:
-        logger.info("model %s loaded in %.1fs: %d rank(s) on %s, %s, run dir %s", model_path, time.time() - started,
-                    learner.world, learner.device_type, str(learner.compute_dtype).replace("torch.", ""), run_dir)
-    dev = learner.device if learner.device_type == "cuda" else None
-    box = None
-    if rank == 0:
-        box = inbox(started) if callable(inbox) else LearnerMailbox(run_dir, heartbeat_s=heartbeat_s, started=started)
-    syncer = None
-    code = EXIT_OK
-    try:
-        syncer = sync_from_config(cfg)  # the learner half of the weight transport (agentloop.train.weight_transport)
-        syncer.check(learner)
-        if box is not None:
-            box.start()
-            paths.weights_root.mkdir(parents=True, exist_ok=True)
-            (Path(run_dir) / "learner_config.json").write_text(json.dumps(
-                {"algo": algo.model_dump(), "learner": cfg.model_dump(), "model": str(model_path),
-                 "world_size": learner.world}, indent=1))
-        for note in learner.notes:
-            if rank == 0:
-                print(f"agentloop learner: {note}", file=sys.stderr, flush=True)
-        ck = latest_checkpoint(paths.checkpoints) if (resume and rank == 0) else None
-        ck = _bcast(str(ck) if ck else None, dev)
-        data_position = None
-        resumed_step = None
-        if ck is not None:
-            meta = learner.load_checkpoint(ck)
-            data_position, resumed_step = meta.data_position, meta.step
-            if not _bcast(paths.weights(meta.step).is_dir() if rank == 0 else None, dev):
-                # The orchestrator reloads its servers from weights/step-C after a resume. Pushing paths write
-                # no HF weights while training, and weights pruned by an older learner are gone: any sync
-                # path, they are written now, once, from the checkpoint just loaded.
-                learner.save_hf(paths.weights(meta.step))
-                if rank == 0:
-                    logger.info("weights of checkpoint step %d were missing: written to %s", meta.step,
-                                paths.weights(meta.step))
-        next_step = learner.step + 1
-        ckpt_step = resumed_step  # the newest checkpoint asked for (it may still be written in the background)
-        probe = learner.probe() if ck is None else None  # collective: every rank runs the forward
-        if box is not None:
-            box.forget_after(learner.step)
-            _clear_weights_after(paths, learner.step)
-        # Batches submitted before the run stopped (steps next_step..replay_through) are trained again first, while
-        # the orchestrator waits for that (wait_caught_up) with no step loop running: none is pushed, the last one's
-        # weights are written for the servers to load (WeightSync.publish_replayed).
-        replay_through = _bcast(box.submitted_through(next_step) if box is not None else None, dev)
-        if box is not None and replay_through >= next_step:
-            logger.info("steps %d-%d were submitted before the stop: trained again first, their weights pushed to no "
-                        "server (the servers load weights/step-%d once this learner has caught up)", next_step,
-                        replay_through, replay_through)
-        if box is not None:
-            box.report(status="ready", next_step=next_step, resumed_step=resumed_step,
-                       data_position=data_position, world_size=learner.world, layout=learner.layout().to_json(),
-                       probe=probe)
-            logger.info("ready for step %d (%s)", next_step,
-                        f"resumed from checkpoint {ck}" if ck is not None else "fresh start")
-        waited_since = time.monotonic()
-        ckpt_written: float | None = None  # seconds the last background checkpoint took, until reported
-        while True:
-            msg: Any = None
-            if box is not None:
-                msg = box.poll(next_step)
-                if msg is None:
-                    msg = ("timeout",) if time.monotonic() - waited_since > cfg.batch_timeout_s else ("wait",)
-            msg = _bcast(msg, dev)
-            if msg[0] == "wait":
-                # a background checkpoint goes into place as soon as its files are written, also while the
-                # learner waits for a batch (a run killed during long rollouts keeps it)
-                written = learner.checkpoint_written_s()
-                if written is not None:
-                    ckpt_written = written
-                time.sleep(cfg.poll_s)
-                continue
-            if msg[0] == "stop":
-                if rank == 0:
-                    logger.info("STOP received before step %d: %s", next_step,
-                                "saving the final model" if msg[1] else "exiting")
-                if msg[1]:  # the run ended normally: the last step reaches disk, whatever the sync path
-                    weights_dir, ck_dir = save_final(learner, paths, data_position, dev)
-                    if box is not None:
-                        box.final(learner.step, None if weights_dir is None else str(weights_dir),
-                                  None if ck_dir is None else str(ck_dir))
-                        logger.info("final model of step %d: HF weights %s, checkpoint %s", learner.step,
-                                    weights_dir, ck_dir)
-                break
-            if msg[0] == "bad_batch":
-                raise LearnerError(f"step {next_step}: unreadable batch: {msg[1]}")
-            if msg[0] == "timeout":
-                if box is not None:
-                    box.report(status="failed", error=f"no batch for step {next_step} in {cfg.batch_timeout_s}s")
-                    logger.error("no batch for step %d within learner.batch_timeout_s=%gs: exiting with code %d",
-                                 next_step, cfg.batch_timeout_s, EXIT_TIMEOUT)
-                code = EXIT_TIMEOUT
-                break
-            _, batch, meta = msg
-            step = next_step
-            try:
-                if batch.step != step:
-                    raise ValueError(f"the batch handed over for step {step} is step {batch.step}'s")
-                if box is not None:
-                    box.report(status="training", step=step)
-                    logger.info("step %d: training on %d episodes", step, batch.num_episodes)
-                t_step = time.perf_counter()
-                metrics = learner.train_batch(batch)
-                # checkpoint_every None (null) = never
-                ckpt_due = cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0
-                data_position = meta.get("data_position")
-                written = learner.checkpoint_written_s()
-                if written is not None or ckpt_written is not None:
-                    metrics["time/checkpoint_written_s"] = written if written is not None else ckpt_written
-                    ckpt_written = None
-                if ckpt_due:
-                    t = time.perf_counter()  # the part of the save the step waits for
-                    background = cfg.checkpoint_async == "on" or (cfg.checkpoint_async == "auto"
-                                                                   and learner.device_type == "cuda")
-                    ck_dir = learner.save_checkpoint(paths.checkpoints, data_position=data_position,
-                                                     background=background)
-                    ckpt_step = step
-                    metrics["time/checkpoint_s"] = time.perf_counter() - t
-                    if rank == 0:
-                        logger.info("step %d: checkpoint saved to %s", step, ck_dir)
-                # disk saves weights/step-N (the servers load it); tensor|nccl push after the orchestrator paused
-                # the servers (it answers the request with where to push, in which interrupt mode)
-                if step <= replay_through:
-                    pub = syncer.publish_replayed(learner, step, paths.weights(step), last=step == replay_through)
-                else:
-                    pub = syncer.publish(learner, step, paths.weights(step), ask=lambda s, method: _ask_push(
-                        box, s, method, dev, cfg.weight_sync_timeout_s))
-                metrics.update(pub.metrics)
-                if box is not None:
-                    logger.info("step %d done: %s", step, _step_summary(
-                        metrics, time.perf_counter() - t_step, "pushed to the servers" if pub.pushed
-                        else f"weights in {pub.weights_dir}" if pub.weights_dir is not None
-                        else "replayed, weights not published"))
-                    box.done(step, None if pub.weights_dir is None else str(pub.weights_dir), metrics,
-                             pushed=pub.pushed)
-                    _prune_weights(paths, cfg.keep_weights, protect=_checkpoint_steps(paths, ckpt_step))
-                    # next_step and data_position together say where the run stands (wait_caught_up)
-                    box.report(status="ready", next_step=step + 1, last_step=step, data_position=data_position)
-            except Exception as e:
-                if box is not None:
-                    box.failed(step, e)
-                    box.report(status="failed", error=f"{type(e).__name__}: {e}")
-                raise
-            next_step = step + 1
-            waited_since = time.monotonic()
-        return code
-    except Exception:
-        code = EXIT_FAILED
-        raise
-    finally:
-        if syncer is not None and rank == 0:
-            syncer.close()
-        if box is not None:
-            box.close(status="stopped" if code == EXIT_OK else "failed")
-        learner.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _clear_weights_after(paths: Any, step: int) -> None:
-    """Weights of steps > step go (the learner resumed from a checkpoint of `step`: they are redone)."""
-    for d in paths.weights_root.glob("step-*"):
-        try:
-            s = int(d.name.split("-", 1)[1])
-        except ValueError:
-            continue
-        if s > step:
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _prune_weights(paths: Any, keep: int | None, *, protect: Any = ()) -> None:
-    """Delete all but the newest `keep` weights/step-N directories, never those of the steps in `protect`
-    (the newest checkpoint's: a resume loads them into the servers)."""
-    if keep is None:
-        return
-    dirs = sorted((d for d in paths.weights_root.glob("step-*") if d.name[5:].isdigit()), key=lambda d: int(d.name[5:]))
-    keep_steps = set(protect)
-    for d in dirs[:-keep]:
-        if int(d.name[5:]) not in keep_steps:
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _checkpoint_steps(paths: Any, requested: int | None) -> set[int]:
-    """Steps whose weights/step-N a resume may need: the newest complete checkpoint's and the newest one
-    asked for (still being written in the background, or complete)."""
-    from agentloop.train.checkpoint import latest_checkpoint, read_meta
-
-    ck = latest_checkpoint(paths.checkpoints)
-    return {s for s in (read_meta(ck).step if ck is not None else None, requested) if s is not None}
-
-
-@dataclass(frozen=True)
-class FinalPlan:
-    """What the end of a run still has to write (`plan_final_save`)."""
-
-    save_weights: bool
-    """Write weights/step-N (HF) of the last trained step N."""
-    save_checkpoint: bool
-    """Write a resumable checkpoint of step N."""
-
-
-def plan_final_save(step: int, weights_on_disk: bool, checkpoint_step: int | None) -> FinalPlan:
-    """At the end of a run the last trained step `step` must be on disk twice: as an HF directory
-    (weights/step-N: disk sync wrote it at the step, tensor|nccl never do while training) and as a
-    resumable checkpoint (unless the newest complete one, `checkpoint_step`, is of that step). Nothing
-    trained (step 0, a learner that never got a batch): nothing to write."""
-    if step <= 0:
-        return FinalPlan(save_weights=False, save_checkpoint=False)
-    return FinalPlan(save_weights=not weights_on_disk, save_checkpoint=checkpoint_step != step)
-
-
-def save_final(learner: Learner, paths: Any, data_position: Any, dev: Any) -> tuple[Path | None, Path | None]:
-    """Collective, the same for every sync path: after a final STOP, write what `plan_final_save` says the
-    last step lacks; returns (its HF directory, its checkpoint), (None, None) if nothing was trained.
-    `data_position` is the one stored with the last step's batch, as a periodic checkpoint would store it."""
-    from agentloop.train.checkpoint import latest_checkpoint, read_meta
-
-    if learner.step <= 0:
-        return None, None
-    learner.wait_checkpoint()  # a background checkpoint of the last step counts once it is in place
-    facts = None
-    if learner.rank == 0:
-        ck = latest_checkpoint(paths.checkpoints)
-        facts = (paths.weights(learner.step).is_dir(), read_meta(ck).step if ck is not None else None,
-                 None if ck is None else str(ck))
-    weights_on_disk, ck_step, ck_path = _bcast(facts, dev)
-    plan = plan_final_save(learner.step, weights_on_disk, ck_step)
-    weights_dir = paths.weights(learner.step)
-    if plan.save_weights:
-        learner.save_hf(weights_dir)
-    if plan.save_checkpoint:
-        return weights_dir, learner.save_checkpoint(paths.checkpoints, data_position=data_position, background=False)
-    return weights_dir, Path(ck_path)
-
-
-def _step_summary(metrics: dict[str, float], seconds: float, weights: str) -> str:
-    keys = (("actor/loss", "loss"), ("actor/grad_norm", "grad_norm"), ("actor/kl_ref", "kl"),
-            ("actor/entropy", "entropy"), ("perf/tokens_per_s", "tok/s"))
-    parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if isinstance(metrics.get(k), (int, float))]
-    return ", ".join(parts + [f"{seconds:.1f}s", weights])
-
-
-def _ask_push(box: Any, step: int, method: str, dev: Any, timeout_s: float) -> Any:
-    """Collective (weight_sync tensor|nccl): rank 0 asks the orchestrator to pause the servers and waits for its
-    answer (a PushOrder: where to push, in which interrupt mode); every rank learns the outcome, so no rank
-    waits in a gather for a push that will not come."""
-    from agentloop.train.handle import LearnerError
-
-    out: Any = None
-    if box is not None:
-        try:
-            out = ("go", box.ask_push(step, method, timeout_s))
-        except (LearnerError, ValueError) as e:
-            out = ("fail", str(e))
-    out = _bcast(out, dev)
-    if out[0] != "go":
-        raise LearnerError(out[1])
-    return out[1]
-
-
-# command line --------------------------------------------------------------------------------
-
-def load_sections(config: str | Path | None, overrides: list[str]) -> tuple[AlgoConfig, LearnerConfig]:
-    """The algo and learner sections of the run's config: `load_config` (the CLI's parser and syntax) on the
-    file plus `--set` overrides. An override outside algo./learner. is refused: the learner reads nothing else."""
-    from agentloop.config import load_config, parse_override, validate_for_training
-    from agentloop.errors import ConfigError
-
-    for ov in overrides:
-        key, _ = parse_override(ov)
-        if key.split(".", 1)[0] not in ("algo", "learner") or "." not in key:
-            raise ConfigError(f"override {ov!r}: expected algo.KEY=VALUE or learner.KEY=VALUE (the learner reads no "
-                              "other section)")
-    cfg = validate_for_training(load_config(config, overrides))  # algo.temperature is sampling.temperature
-    return cfg.algo, cfg.learner
-
-
-def log_to_stdout(rank: int) -> None:
-    """The learner process's log handler: rank 0 logs INFO and up, other ranks WARNING and up, each line
-    prefixed with the time and rank. logging.StreamHandler flushes after every record, so a line is in
-    learner.log when the call returns, block-buffered stdout or not."""
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s learner[{rank}] %(levelname)s %(message)s"))
-    logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    logger.propagate = False
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="agentloop.train.learner", description="Mailbox-driven FSDP2 learner.")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--no-resume", dest="resume", action="store_false")
-    p.add_argument("--heartbeat-s", type=float, default=5.0)
-    a = p.parse_args(argv)
-    log_to_stdout(int(os.environ.get("RANK", "0")))
-    try:
-        algo, cfg = load_sections(a.config, a.overrides)
-        from agentloop.config import load_config
-
-        max_len = load_config(a.config, []).model.context_length if a.config else None
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        logger.info("starting (pid %d): model %s, run dir %s, temperature %g", os.getpid(), a.model, a.run_dir,
-                    algo.temperature)
-        code = serve(a.run_dir, a.model, algo, cfg, resume=a.resume, heartbeat_s=a.heartbeat_s, max_len=max_len)
-    except Exception as e:  # logged (with the traceback) on every rank, then the process exits 1
-        logger.exception("failed: %s: %s", type(e).__name__, e)
-        code = EXIT_FAILED
-    logger.info("exiting with code %d", code)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 

@@ -1,7 +1,7 @@
 """The weight transport: how a learner step's weights reach the servers, one transport per `learner.weight_sync`
 path, each with a learner half and a server half that agree on the interrupt mode.
 
-    path     learner half (weight_sync.py, in the learner)   server half (here, in the orchestrator)
+    path     learner half (sync, tensor, nccl: the learner)  server half (here, in the orchestrator)
     disk     DiskSync.publish: save weights/step-N (HF)      DiskHalf: pause, /update_weights_from_disk, finish, resume
     tensor   TensorSync.publish: ask, then CUDA IPC push     PushHalf: pause, answer with a PushOrder, wait, finish,
     nccl     NcclSync.publish: ask, then NCCL broadcast      resume (the learner pushes while the servers are paused)
@@ -30,8 +30,7 @@ from collections.abc import Awaitable, Callable
 from agentloop.errors import AgentLoopError
 from agentloop.interrupt import InterruptPolicy
 from agentloop.server_manager import ServerManager
-from agentloop.train.handle import LearnerHandle, SyncRequest, UpdateResult, WeightsOnDisk
-from agentloop.train.weight_sync import PushOrder
+from agentloop.train.handle.protocol import LearnerHandle, PushOrder, SyncRequest, UpdateResult, WeightsOnDisk
 
 Stage = Callable[[WeightsOnDisk], Awaitable["str | dict[str, str]"]]
 """Where each server reads a learner's HF directory: one path for all, or a path per server URL."""

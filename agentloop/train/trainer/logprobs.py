@@ -6,8 +6,9 @@ Map:
     chunked_logprobs   the functional entry (fused=True: each chunk's math through torch.compile)
     LogprobHead        patches a HF causal LM's output layer so the model's own forward returns
                        [b, L, 2] = (logprob, entropy) instead of logits while a request is set (`use`)
-    HeadTransform      what a model does to its head's output before the softmax (Granite, Cohere scale it,
-                       Gemma-2 soft-caps it): the head applies it itself, in every chunk and in its plain path
+    HeadTransform      (agentloop.train.model_support) what a model does to its head's output before the softmax
+                       (Granite, Cohere scale it, Gemma-2 soft-caps it): the head applies it itself, in every
+                       chunk and in its plain path
 
 Why inside the model's forward: under FSDP2 the LM head weight (tied to the embedding in small Qwen
 models) belongs to the root module, which gathers it for its forward and reduce-scatters its gradient
@@ -33,30 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-
-@dataclass(frozen=True)
-class HeadTransform:
-    """What a model applies to its LM head's output x before the softmax: logits = x * scale, then
-    softcap * tanh(logits / softcap) when `softcap` is set (agentloop.train.model_support reads it from the
-    model's config). The identity for most models."""
-
-    scale: float = 1.0
-    """Granite: 1 / logits_scaling; Cohere: logit_scale; HyperCLOVAX: logits_scaling."""
-    softcap: float | None = None
-    """Gemma-2 and kin: final_logit_softcapping."""
-
-    @property
-    def identity(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's logits from its raw head output (the plain, non-logprob path of LogprobHead)."""
-        if self.scale != 1.0:
-            x = x * self.scale
-        if self.softcap is not None:
-            x = torch.tanh(x / self.softcap) * self.softcap
-        return x
-
+from agentloop.train.model_support import HeadTransform
 
 IDENTITY = HeadTransform()
 

@@ -12,11 +12,11 @@ Map:
     version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
     finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
-Parts elsewhere: the schedule's rules (schedule.py: Staleness, Admission, GroupBuffer, and AsyncSchedule, the
-object `run_async` drives), LearnerProcess
-(learner_process.py), DataCursor (cursor.py), the mailbox (mailbox.py), StepLog and the progress line
+Parts elsewhere: the schedule's rules (schedule: Staleness, Admission, GroupBuffer, and AsyncSchedule, the
+object `run_async` drives), LearnerProcess (learner_process), DataCursor (cursor), the step's batch
+(agentloop.train.batch), the learner handle (agentloop.train.handle), StepLog and the progress line
 (agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
-starts (model_support.py) and of what the servers serve before step 1 (served_model.py).
+starts (agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
 
 Versions: v = the weights after v learner updates (initial: 0). Step s trains version s-1 into s;
 with `train.max_staleness` η every trained token was sampled by a version in [s-1-η, s-1]
@@ -33,8 +33,8 @@ the stop (steps C+1..k, as they are); the run goes on at step k+1 (`wait_caught_
 state stored with batch k (C's when k = C): the next new position and the positions handed out but
 not trained, which are given out again first, so every position is trained exactly once, and the
 fingerprint of the rows they index (other rows are an error unless forced). The config of a resumed run
-is its saved config.yaml plus the values given now (agentloop.train.resume, applied by the CLI). The servers
-load weights/step-k before rolling out (the newest; weights/step-C are kept from pruning and written
+is its saved config.yaml plus the values given now (agentloop.train.orchestrator.resume, applied by the CLI).
+The servers load weights/step-k before rolling out (the newest; weights/step-C are kept from pruning and written
 from the checkpoint when missing; missing weights are an error). Admission counts from version k, so
 the run keeps the groups in flight a fresh run keeps (η = 0: the synchronous schedule). A step whose
 batch was already submitted keeps its rollouts (the batch the learner trained), the partial rollouts
@@ -74,16 +74,18 @@ from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer
 from agentloop.server_manager import ServerManager, parse_version
 from agentloop.tools.sandbox import require_isolation
-from agentloop.train.backend import Backend, LocalBackend
-from agentloop.train.batch_plan import BatchLayout, prepare_batch
-from agentloop.train.cursor import DataCursor
-from agentloop.train.handle import LearnerError, LearnerHandle, UpdateResult
+from agentloop.train.batch.format import BatchLayout
+from agentloop.train.batch.prepare import prepare_batch
+from agentloop.train.handle.protocol import LearnerError, LearnerHandle, UpdateResult
 from agentloop.train.model_support import require_model_support
-from agentloop.train.preflight import Preflight, plan_summary, run_preflight, say_lines, served_kv_tokens
+from agentloop.train.orchestrator.backend import Backend, LocalBackend
+from agentloop.train.orchestrator.cursor import DataCursor
+from agentloop.train.orchestrator.schedule import AsyncSchedule, Command, Retry, Staleness
+from agentloop.train.orchestrator.served_model import align_served_weights, check_served_model
+from agentloop.train.planning.preflight import Preflight, run_preflight, say_lines
+from agentloop.train.planning.render import plan_summary, served_kv_tokens
 from agentloop.train.probe import check_served_logprobs
-from agentloop.train.schedule import AsyncSchedule, Command, Retry, Staleness
-from agentloop.train.served_model import align_served_weights, check_served_model
-from agentloop.train.weight_transport import ServerHalf, Stage, same_path, server_half
+from agentloop.train.weights.servers import ServerHalf, Stage, same_path, server_half
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.util.runtime import run_async
 
@@ -234,10 +236,10 @@ def resolve_train_model(cfg: Config) -> Path:
 
 
 class Trainer:
-    """The pieces both schedules share (see the module doc). `learner`: the learner handle (agentloop.train.handle;
-    the file mailbox or Ray); `layout`: how the learner lays out micro-batches (LearnerInfo.layout), which the
-    step's batch is planned for; `stage`: where the servers read the learner's HF directories (the server pool's;
-    default: the path as is); `streams`: see the attribute."""
+    """The pieces both schedules share (see the module doc). `learner`: the learner handle
+    (agentloop.train.handle.protocol; the file mailbox or Ray); `layout`: how the learner lays out micro-batches
+    (LearnerInfo.layout), which the step's batch is planned for; `stage`: where the servers read the learner's HF
+    directories (the server pool's; default: the path as is); `streams`: see the attribute."""
 
     def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
                  learner: LearnerHandle, log: StepLog, cursor: DataCursor, val_samples: list[Sample], *,
@@ -258,7 +260,7 @@ class Trainer:
         self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
         self.weights: ServerHalf = server_half(cfg.learner.weight_sync)(sm, self.interrupt, learner, stage=stage)
-        """The weight transport's server half (agentloop.train.weight_transport); also the servers' resync."""
+        """The weight transport's server half (agentloop.train.weights.servers); also the servers' resync."""
         self._cache_seen = (0.0, 0.0)  # the servers' cached and prompt tokens at the last step's row
         self.final: dict[str, Any] = {}
         self.loop_lag = LoopLagMonitor()
@@ -342,7 +344,7 @@ class Trainer:
                 raise TrainingError(f"step {step}: {e}") from e
         data_state = extra.pop("_data_state")
         if not submitted:
-            try:  # advantages and every rank's micro-batches, off the event loop (batch_plan)
+            try:  # advantages and every rank's micro-batches, off the event loop (agentloop.train.batch.prepare)
                 batch = await asyncio.to_thread(prepare_batch, usable, self.cfg.algo, self.layout, step)
             except ValueError as e:
                 raise TrainingError(f"step {step}: {e}") from e
@@ -512,7 +514,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     """The run; `data` as `load_data(cfg)` made it (loaded here when None). `force`: go on from a checkpoint
     whose data position was stored for other training rows (`agentloop train --force-data`). `model_path`: as
     the preflight resolved it (None: resolved here). `backend`: where the servers and the learner run (default:
-    this host, agentloop.train.backend.LocalBackend)."""
+    this host, agentloop.train.orchestrator.backend.LocalBackend)."""
     loop_cls = get_agent_loop(cfg.rollout.loop)
     data = data if data is not None else load_data(cfg)
     train_samples, val_samples = data.train, data.val
@@ -638,7 +640,7 @@ def resolve_learner_defaults(cfg: Config) -> None:
 
 
 def prepare_train(cfg: Config, *, dry_run: bool = False) -> tuple[Path, Preflight]:
-    """Check the config and run the preflight (agentloop.train.preflight): data, rewards, template, prompts,
+    """Check the config and run the preflight (agentloop.train.planning.preflight): data, rewards, template, prompts,
     model, tools, the GPU memory plan; on CUDA the unset keys it sizes are set in `cfg`. Nothing is started.
     Returns (the model directory, the preflight); the caller prints it and raises on its failures."""
     from agentloop.rollout.run import load_plugins

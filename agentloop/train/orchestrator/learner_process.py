@@ -1,9 +1,9 @@
 """The learner on this host: LearnerProcess, the learner ranks as one child process group of `agentloop
 train` (torchrun for nproc > 1), its output in run_dir/learner.log, a bounded shutdown, and death with the
-orchestrator; FileLearner, the learner handle (agentloop.train.handle) over that process and the file mailbox.
+orchestrator; FileLearner, the learner handle (agentloop.train.handle.protocol) over that process and the file mailbox.
 
 learner.log opens with the command line (written here), then holds the learner's own lines (rank 0's
-progress, every rank's warnings and errors: see agentloop.train.learner) and anything its libraries print.
+progress, every rank's warnings and errors: see agentloop.train.trainer.serve) and anything its libraries print.
 
 The orchestrator never imports the learner (FSDP, the model): it starts it by command line and talks to it
 through the mailbox; `learner_command` is that command line. Spanning hosts without Ray: `learner.nnodes` > 1
@@ -27,8 +27,8 @@ from typing import Any
 
 from agentloop.config import Config
 from agentloop.errors import ConfigError
-from agentloop.train.handle import FinalResult, LearnerHandle, LearnerInfo, LearnerTimeout, WeightsOnDisk
-from agentloop.train.mailbox import MailboxClient, MailboxPaths
+from agentloop.train.handle.mailbox import MailboxClient, MailboxPaths
+from agentloop.train.handle.protocol import FinalResult, LearnerHandle, LearnerInfo, LearnerTimeout, WeightsOnDisk
 from agentloop.util.rundir import write_json
 
 
@@ -151,12 +151,12 @@ def learner_command(
                "--max-restarts=0"]
         if rdzv_join_timeout_s is not None:
             cmd.append(f"--rdzv-conf=join_timeout={int(rdzv_join_timeout_s)}")
-        cmd += ["-m", "agentloop.train.learner"]
+        cmd += ["-m", "agentloop.train.trainer"]
     elif nproc > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "agentloop.train.learner"]
+               "-m", "agentloop.train.trainer"]
     else:
-        cmd = [python, "-m", "agentloop.train.learner"]
+        cmd = [python, "-m", "agentloop.train.trainer"]
     cmd += ["--run-dir", str(run_dir), "--model", str(model_path)]
     if config is not None:
         cmd += ["--config", str(config)]

@@ -14,7 +14,7 @@ Map:
 
 What the estimators see (verl's compute_advantage on token_level_rewards = scores - beta * kld):
     grpo, rloo     the episode reward minus beta * the episode's summed penalty, then the estimator as usual
-                   (groups of one, std, eps: agentloop.train.advantages); one advantage per episode
+                   (groups of one, std, eps: agentloop.train.batch.advantages); one advantage per episode
     reinforce_pp   per token, the return-to-go G_t = reward - beta * (penalties of the kept model tokens from t
                    to the episode's end), whitened over all kept model tokens of the step
                    (`algo.reinforce_pp_whiten`: ours, or verl's masked_whiten). verl's return skips every mask-0
@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentloop.train.config import AlgoConfig
-from agentloop.train.losses import token_weights
-from agentloop.train.rollout_correction import parse_rollout_rs, rejection_keep, seq_broadcast, seq_sum
+from agentloop.train.trainer.losses import token_weights
+from agentloop.train.trainer.rollout_correction import parse_rollout_rs, rejection_keep, seq_broadcast, seq_sum
 
 if TYPE_CHECKING:
-    from agentloop.train.batching import MicroBatch, Prepared
+    from agentloop.train.batch.episodes import Prepared
+    from agentloop.train.trainer.collate import MicroBatch
 
 
 def kl_penalty(old: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
@@ -99,8 +100,8 @@ def apply_verl_order(
     """Rewrite loss masks, weights and advantages of `plans` (this rank's micro-batches of each mini-batch
     `minis[j]`, no-grad logprobs filled) in verl's order; returns (metrics, the step's mean per-episode
     penalty for the KL controller). `all_reduce` sums a tensor over ranks in place."""
-    from agentloop.train.advantages import compute_advantages
-    from agentloop.train.batching import episode_return
+    from agentloop.train.batch.advantages import compute_advantages
+    from agentloop.train.trainer.collate import episode_return
 
     eps = prepared.episodes
     n = len(eps)
@@ -152,7 +153,7 @@ def apply_verl_order(
                     reweight(mb, algo.loss_agg_mode, num_tokens, num_seqs)
 
     if algo.estimator == "reinforce_pp":
-        from agentloop.train.advantages import whiten_scale
+        from agentloop.train.batch.advantages import whiten_scale
 
         # token-level: the return-to-go of (reward at the end - beta * penalty per kept token), whitened over
         # the kept tokens of the whole step

@@ -1,6 +1,6 @@
 """The GPU memory plan of a training run: what the learner and each server need, which GPU each goes on, and
 the settings that follow. Pure: plain numbers in, a Plan out (no torch, no GPU, no config tree); the preflight
-(agentloop.train.preflight) reads the machine and the config, and writes the plan into the keys left unset.
+(agentloop.train.planning.preflight) reads the machine and the config, and writes the plan into the keys left unset.
 
 Map:
     ModelShape        the sizes the memory model needs, from a Hugging Face config.json (a dict)

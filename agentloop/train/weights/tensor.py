@@ -1,0 +1,144 @@
+"""The `tensor` path's learner half: CUDA IPC handles of each flattened bucket -> /update_weights_from_tensor.
+
+Rank 0 gathers the full weights on its GPU and hands CUDA IPC handles of them to /update_weights_from_tensor
+(`load_format: flattened_bucket`). The servers must run on the same host and see the learner's GPU (same GPU or a
+peer); nothing is copied through the host. The server half is agentloop.train.weights.servers.PushHalf.
+
+Map:
+    tensor_payload         the JSON body of /update_weights_from_tensor (pure)
+    serialize_cuda_bucket  one flattened bucket as SGLang's deserializer reads it
+    TensorSync             the path (`push`), registered as "tensor"
+
+Checked against SGLang 0.5.17 / 0.5.23: request fields in `sglang/srt/managers/io_struct.py`; the
+payload is unpickled by `MultiprocessingSerializer.deserialize` with a restricted unpickler
+that admits torch, builtins and `types` (so metadata travels as `types.SimpleNamespace`, read by
+attribute in `_update_weights_from_flattened_bucket`); one payload per server TP rank, since each
+rank must open its own copy of the IPC handles.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+from agentloop.train.weights.sync import (
+    WeightSync,
+    WeightSyncError,
+    _gather_calls,
+    bucket_metadata,
+    param_metas,
+    plan_buckets,
+    post_json,
+    register_sync,
+    server_tp_size,
+)
+
+# torch is imported inside functions so the pure helpers (and their tests) stay light.
+
+
+def tensor_payload(serialized_per_rank: Sequence[str], *, last: bool, version: str | None,
+                   flush_cache: bool = False) -> dict[str, Any]:
+    """Body of /update_weights_from_tensor for one flattened bucket (base64 pickles, one per TP rank).
+
+    The version is set, and the prefix cache flushed when `flush_cache` (the interrupt mode's
+    `flush_in_update`, agentloop.interrupt), only with the last bucket: the servers are paused, so nothing
+    samples from half-updated weights, and the version flips once. A flush the server cannot do (requests
+    kept in place or retracted into its queue) would fail the update, and kill SGLang 0.5.17's scheduler.
+    """
+    body: dict[str, Any] = {"serialized_named_tensors": list(serialized_per_rank), "load_format": "flattened_bucket",
+                            "flush_cache": last and flush_cache, "abort_all_requests": False}
+    if last and version is not None:
+        body["weight_version"] = version
+    return body
+
+
+def _device_uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def serialize_cuda_bucket(flat: Any, metadata: list[SimpleNamespace]) -> str:
+    """Pickle {"flattened_tensor", "metadata"} the way SGLang's MultiprocessingSerializer expects,
+    base64-encoded for JSON.
+
+    A CUDA tensor pickles to its IPC handle (torch's multiprocessing reductions); the device index
+    in it is replaced by the GPU's UUID, which SGLang's patched rebuild maps back to its own index,
+    so the server may number its visible GPUs differently. CPU tensors would pickle to file
+    descriptors that the server cannot open (its scheduler dies), so they are refused here.
+    """
+    if not flat.is_cuda:
+        raise WeightSyncError("the tensor path needs CUDA tensors (a learner on the GPU)")
+    return base64.b64encode(_share_pickle({"flattened_tensor": flat, "metadata": metadata})).decode()
+
+
+def _share_pickle(obj: Any) -> bytes:
+    """ForkingPickler bytes of `obj` (tensors as shared handles), CUDA device indices as GPU UUIDs."""
+    import copyreg
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    reductions.init_reductions()  # registers torch's reducers with ForkingPickler
+
+    def reduce_with_uuid(t: Any) -> Any:
+        fn, args = reductions.reduce_tensor(t)
+        if fn is reductions.rebuild_cuda_tensor and isinstance(args[6], int):  # args[6]: the storage's device
+            args = (*args[:6], _device_uuid(args[6]), *args[7:])
+        return fn, args
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)  # its __init__ takes no protocol keyword (Python 3.12)
+    table = dict(copyreg.dispatch_table)
+    table.update(ForkingPickler._extra_reducers)
+    table[torch.Tensor] = reduce_with_uuid
+    pickler.dispatch_table = table
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+@register_sync("tensor")
+class TensorSync(WeightSync):
+    """CUDA IPC handles of each flattened bucket -> /update_weights_from_tensor (same host)."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self._tp: dict[str, int] = {}
+
+    def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
+             version: str | None, flush_cache: bool = False) -> dict[str, float]:
+        t0 = time.perf_counter()
+        buckets = plan_buckets(param_metas(model, dtype), self.bucket_bytes)
+        if rank == 0:
+            for u in urls:
+                if u not in self._tp:
+                    self._tp[u] = server_tp_size(u, self.timeout_s)
+        gather_s, t_send = [0.0], 0.0
+        with ThreadPoolExecutor(max(1, len(urls))) as pool:
+            with self._session(pool, urls, rank):
+                # The server reads the memory through the IPC handle with no ordering against our
+                # stream beyond torch's sharing event: the gather and the concatenation finish first.
+                for i, flat in self._flat_buckets(model, buckets, dtype, device, rank, gather_s, sync_cuda=True):
+                    t = time.perf_counter()
+                    meta = bucket_metadata(buckets[i])
+                    last = i == len(buckets) - 1
+                    futures = [pool.submit(post_json, u, "/update_weights_from_tensor",
+                                           tensor_payload([serialize_cuda_bucket(flat, meta)
+                                                           for _ in range(self._tp[u])], last=last, version=version,
+                                                          flush_cache=flush_cache),
+                                           self.timeout_s)
+                               for u in urls]
+                    _gather_calls(pool, futures, self.timeout_s)
+                    # `flat` must outlive the calls: the servers copy out of it through the IPC handles.
+                    del flat  # before the next bucket is gathered (the generator drops its own reference)
+                    t_send += time.perf_counter() - t
+        return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s[0], "sync/send_s": t_send,
+                "sync/buckets": float(len(buckets))}
+
+
+__all__ = ["TensorSync", "serialize_cuda_bucket", "tensor_payload"]
