@@ -26,7 +26,7 @@ itself. Nothing inside the package imports this file (the public API re-exports 
     rewards     rewards/                                 reward functions by data_source
     tools       tools/                                   tools, tool-call parsers, the sandbox
     inference   inference/                               SGLang servers we launch (and the CPU op fallback)
-    client      server_manager.py routing.py interrupt.py  the inference client, interrupt modes
+    client      server_manager.py routing.py interrupt.py client/  the inference client (its parts in client/), interrupt modes
     util        util/                                    cache, run dirs, atomic writes, registries, event loop
     vocabulary  config.py records.py errors.py train/config.py tools/config.py tools/sandbox/limits.py rewards/config.py gateway/config.py
 """

@@ -34,11 +34,11 @@ async def one_round(sm: ServerManager, inflight: int, new: bool) -> float:
     if new:
         await sm.pause("abort")
     else:  # the old path: SGLang's abort-mode pause alone
-        sm._unpaused.clear()
-        sm._pause_mode = "abort"
-        sm._pauses += 1
-        sm._interrupts += 1
-        await sm._broadcast("/pause_generation", {"mode": "abort"})
+        sm.state.unpaused.clear()
+        sm.state.pause_mode = "abort"
+        sm.state.pauses += 1
+        sm.state.interrupts += 1
+        await sm.control.broadcast("/pause_generation", {"mode": "abort"})
     dt = time.monotonic() - t0
     await sm.abort_all()
     for c in calls:

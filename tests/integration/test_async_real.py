@@ -200,7 +200,7 @@ class TwoTurn:
 
 
 def _refuse_first_flush(post):
-    """Wrap ServerManager._admin_post so the first /flush_cache is refused as SGLang 0.5.17 refuses it."""
+    """Wrap ManagerState.admin_post so the first /flush_cache is refused as SGLang 0.5.17 refuses it."""
     refused = []
 
     async def wrapped(url, path, payload, timeout=None):
@@ -238,7 +238,7 @@ def test_update_forced_mid_episode(sglang_server, tiny_model_path, tmp_path, res
         async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0,
                                  cache_salt=policy.cache_salt) as sm:
             if refused_flush:  # play SGLang 0.5.17, which refuses to flush with retracted requests waiting
-                sm._admin_post = _refuse_first_flush(sm._admin_post)
+                sm.state.admin_post = _refuse_first_flush(sm.state.admin_post)
             ep = TwoTurn(sm, FIXED)
             task = asyncio.create_task(ep.run())
             await ep.turn2_sent.wait()

@@ -67,7 +67,7 @@ def test_real_server_that_missed_an_update_serves_only_after_resync(sglang_serve
 
     async def main():
         async with ServerManager([url], cfg, initial_version=0) as sm:
-            orig = (await sm._get_ok(url, "/model_info", 20)).get("weight_version")
+            orig = (await sm.state.get_ok(url, "/model_info", 20)).get("weight_version")
             try:
                 await sm.update_weights_from_disk(model, weight_version=0)  # a known start: version 0
                 before = await sm.generate("a", prompt_ids=[5, 6, 7], sampling_params=sp)
@@ -87,7 +87,7 @@ def test_real_server_that_missed_an_update_serves_only_after_resync(sglang_serve
                 after = await sm.generate("c", prompt_ids=[5, 6, 7], sampling_params=sp)
                 return before, kept_out, after, sm.gauges(), sm.server_versions()
             finally:  # the session's server goes back to its label for the tests after this one
-                await sm._admin_post(url, "/update_weights_from_disk",
+                await sm.state.admin_post(url, "/update_weights_from_disk",
                                      {"model_path": model, "weight_version": str(orig or "default")})
 
     before, kept_out, after, g, versions = asyncio.run(main())
@@ -118,7 +118,7 @@ def test_real_server_paused_by_a_run_that_dies_generates_again(sglang_server, mo
                 return await asyncio.wait_for(
                     next_user.generate("after", prompt_ids=[5, 6, 7], sampling_params=sp), 60)
             finally:  # whatever happened, the session's server is not left paused for the tests after this
-                await next_user._admin_post(url, "/continue_generation", {}, timeout=20)
+                await next_user.state.admin_post(url, "/continue_generation", {}, timeout=20)
 
     out = asyncio.run(main())
     assert len(out.token_ids) == 4

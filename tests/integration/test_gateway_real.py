@@ -181,7 +181,7 @@ def test_a_weight_update_in_the_middle_of_a_gateway_request(warm, tmp_path):
     async def main():
         async with ServerManager([url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
             called, cut = asyncio.Event(), asyncio.Queue()
-            once = sm._generate_once
+            once = sm.data._generate_once
 
             async def spy(episode_id, *a, **kw):
                 if episode_id == "probe":
@@ -191,7 +191,7 @@ def test_a_weight_update_in_the_middle_of_a_gateway_request(warm, tmp_path):
                 cut.put_nowait(len(out.token_ids))
                 return out
 
-            sm._generate_once = spy
+            sm.data._generate_once = spy
             engine = RolloutEngine(cfg, sm, tok, get_agent_loop("openai_agent_loop"), progress=False)
             task = asyncio.create_task(engine.run(load_samples(cfg.data)[:1], n_samples=1))
             # Cut the request only once the server has sampled some of it: a probe sent after it is answered
