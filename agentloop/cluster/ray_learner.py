@@ -10,7 +10,8 @@
                   backend's, colocated), starts `run` on each, and turns their answers and deaths into the handle's
                   results and errors (an actor that died is LearnerDiedError naming it, never a hang)
 
-No shared filesystem: a step's batch goes to rank 0 as bytes (a TrainBatch), results come back as
+No shared filesystem: a step's batch goes to rank 0 as its file's bytes (agentloop.train.batch.format), which rank 0
+broadcasts and each rank reads its own rows from; results come back as
 values, and the weights a server loads are fetched from rank 0 (`manifest`, `read_chunk`) by the server pool, once
 per node. What stays on the learner's nodes is `cluster.learner_dir`: weights/, checkpoints/ and learner.log; it
 must be a path every learner node reaches (a shared filesystem when ranks span nodes) for checkpoints to be
@@ -38,7 +39,7 @@ from agentloop.cluster.ray_servers import _cause, actor_options
 from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.inference.launcher import pick_free_port
-from agentloop.train.batch.format import TrainBatch
+from agentloop.train.batch.format import check_batch
 from agentloop.train.handle.protocol import (
     FinalResult,
     LearnerDiedError,
@@ -88,7 +89,8 @@ class RayInbox(LearnerInbox):
         if item is not None:
             data, meta = item
             try:
-                return ("batch", TrainBatch.decode(data), meta)
+                check_batch(data)  # every rank then reads its own share of these bytes
+                return ("batch", data, meta)
             except Exception as e:  # noqa: BLE001 - unreadable batch: every rank stops, the orchestrator is told
                 self.failed(step, e)
                 return ("bad_batch", f"{type(e).__name__}: {e}")
@@ -401,7 +403,7 @@ class RayLearner(LearnerHandle):
     async def submit(self, step: int, batch: Any, *, data_position: Any = None) -> None:
         if step in self._submitted:
             return
-        data = await asyncio.to_thread(batch.encode)
+        data = await asyncio.to_thread(batch.to_bytes)
         await self._call(self.ranks[0].submit.remote(step, data, {"data_position": data_position}), f"step {step}")
         self._submitted.add(step)
 

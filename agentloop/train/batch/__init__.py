@@ -7,8 +7,11 @@ Map, in the order a step's data passes:
     advantages   the estimator registry (grpo, rloo, reinforce_pp) and compute_advantages
     packing      mini-batches, rows (shared prompts), every rank's micro-batches: episode indices (plan_ranks)
     prepare      records -> TrainBatch, for the learner's BatchLayout (prepare_batch)
-    format       BatchLayout, TrainBatch and its file form
+    format       BatchLayout, TrainBatch and its safetensors file; RankBatch, one rank's share read from it
 
-Add an advantage estimator: write `fn(rewards, groups, lengths, cfg) -> Tensor[B]`, decorate it with
-`@register_estimator("name")` (agentloop.train.batch.advantages), and set `algo.estimator=name`.
+numpy only, no torch: the orchestrator prepares the batch without importing it.
+
+Add an advantage estimator: write `fn(rewards, groups, lengths, cfg) -> ndarray[B]` (numpy arrays in),
+decorate it with `@register_estimator("name")` (agentloop.train.batch.advantages), and set
+`algo.estimator=name`.
 """

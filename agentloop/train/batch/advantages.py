@@ -1,11 +1,12 @@
-"""Advantage estimators for outcome rewards, in a registry keyed by `AlgoConfig.estimator`.
+"""Advantage estimators for outcome rewards, in a registry keyed by `AlgoConfig.estimator`; numpy only (the
+orchestrator computes them, and never imports torch).
 
 An estimator maps per-episode rewards to per-episode advantages; every model token of an
 episode gets its episode's advantage (rewards are outcome-only, gamma = 1, so the return of
 every token is the episode reward). Signature:
 
-    fn(rewards: Tensor[B] float64, groups: Tensor[B] int64, lengths: Tensor[B] int64,
-       cfg: AlgoConfig) -> Tensor[B] float64
+    fn(rewards: ndarray[B] float64, groups: ndarray[B] int64, lengths: ndarray[B] int64,
+       cfg: AlgoConfig) -> ndarray[B] float64
 
 `groups` numbers the GRPO groups 0..G-1 (episodes of the same prompt in the same step);
 `lengths` is each episode's count of model (mask-1) tokens, used by token-level estimators.
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-import torch
+import numpy as np
 
 from agentloop.errors import ConfigError
 from agentloop.train.config import AlgoConfig
 
-Estimator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AlgoConfig], torch.Tensor]
+Estimator = Callable[[np.ndarray, np.ndarray, np.ndarray, AlgoConfig], Any]
 
 ESTIMATORS: dict[str, Estimator] = {}
 """Registered advantage estimators by name."""
@@ -61,17 +62,17 @@ def get_estimator(name: str) -> Estimator:
         ) from None
 
 
-def _group_stats(values: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-group (count, sum, sum of squares), each Tensor[G]."""
-    g = int(groups.max().item()) + 1 if groups.numel() else 0
-    count = torch.zeros(g, dtype=values.dtype).index_add_(0, groups, torch.ones_like(values))
-    total = torch.zeros(g, dtype=values.dtype).index_add_(0, groups, values)
-    sq = torch.zeros(g, dtype=values.dtype).index_add_(0, groups, values * values)
+def _group_stats(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-group (count, sum, sum of squares), each ndarray[G] (sums in episode order)."""
+    g = int(groups.max()) + 1 if groups.size else 0
+    count = np.bincount(groups, minlength=g).astype(values.dtype)
+    total = np.bincount(groups, weights=values, minlength=g)
+    sq = np.bincount(groups, weights=values * values, minlength=g)
     return count, total, sq
 
 
 @register_estimator("grpo")
-def grpo(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+def grpo(rewards: np.ndarray, groups: np.ndarray, lengths: np.ndarray, cfg: AlgoConfig) -> np.ndarray:
     """A_i = r_i - mean(group); divided by (std(group) + eps) when `norm_adv_by_std`.
 
     The std is the unbiased sample std (n - 1), as in the GRPO paper's reference code; a group
@@ -81,22 +82,22 @@ def grpo(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor, cfg
     mean = total / count
     adv = rewards - mean[groups]
     if cfg.norm_adv_by_std:
-        var = (sq - count * mean * mean) / (count - 1).clamp(min=1)
-        std = var.clamp(min=0).sqrt()
+        var = (sq - count * mean * mean) / np.maximum(count - 1, 1)
+        std = np.sqrt(np.maximum(var, 0))
         adv = adv / (std[groups] + cfg.adv_eps)
     return adv
 
 
 @register_estimator("rloo")
-def rloo(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+def rloo(rewards: np.ndarray, groups: np.ndarray, lengths: np.ndarray, cfg: AlgoConfig) -> np.ndarray:
     """A_i = r_i - mean of the other rewards of the group (leave-one-out); 0 for a group of one.
 
     Equal to n/(n-1) * (r_i - mean(group)).
     """
     count, total, _ = _group_stats(rewards, groups)
     n = count[groups]
-    others = (total[groups] - rewards) / (n - 1).clamp(min=1)
-    return torch.where(n > 1, rewards - others, torch.zeros_like(rewards))
+    others = (total[groups] - rewards) / np.maximum(n - 1, 1)
+    return np.where(n > 1, rewards - others, np.zeros_like(rewards))
 
 
 def whiten_scale(var: float, count: float, cfg: AlgoConfig) -> float:
@@ -111,7 +112,7 @@ def whiten_scale(var: float, count: float, cfg: AlgoConfig) -> float:
 
 
 @register_estimator("reinforce_pp")
-def reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+def reinforce_pp(rewards: np.ndarray, groups: np.ndarray, lengths: np.ndarray, cfg: AlgoConfig) -> np.ndarray:
     """REINFORCE++: the outcome reward is every token's return; returns are whitened over all
     model tokens of the batch: A = (r - mean_tok) / (std_tok + eps) (`algo.reinforce_pp_whiten`: `whiten_scale`).
 
@@ -120,10 +121,10 @@ def reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Ten
     (applied by the learner, which has the reference logprobs). With `drop_zero_variance_groups` it is a
     config error: a group of equal rewards still has non-zero advantages here.
     """
-    w = lengths.to(rewards.dtype)
+    w = lengths.astype(rewards.dtype)
     n = float(w.sum())
     if n <= 0:
-        return torch.zeros_like(rewards)
+        return np.zeros_like(rewards)
     mean = (w * rewards).sum() / n
     var = (w * (rewards - mean) ** 2).sum() / n
     return (rewards - mean) * whiten_scale(float(var), n, cfg)
@@ -131,56 +132,60 @@ def reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, lengths: torch.Ten
 
 @dataclass
 class Advantages:
-    """Result of `compute_advantages`, all Tensor[B] in the input order."""
+    """Result of `compute_advantages`, all ndarray[B] in the input order."""
 
-    values: torch.Tensor
+    values: np.ndarray
     """Per-episode advantage (float64)."""
-    keep: torch.Tensor
+    keep: np.ndarray
     """False for episodes of dropped zero-variance groups."""
-    zero_variance: torch.Tensor
+    zero_variance: np.ndarray
     """True for episodes whose group's rewards are all equal (groups of one included)."""
 
     def metrics(self) -> dict[str, float]:
         v = self.values[self.keep]
         return {
-            "adv/mean": float(v.mean()) if v.numel() else 0.0,
-            "adv/std": float(v.std(unbiased=False)) if v.numel() else 0.0,
-            "adv/abs_max": float(v.abs().max()) if v.numel() else 0.0,
-            "adv/zero_variance_frac": float(self.zero_variance.double().mean()) if self.zero_variance.numel() else 0.0,
+            "adv/mean": float(v.mean()) if v.size else 0.0,
+            "adv/std": float(v.std()) if v.size else 0.0,
+            "adv/abs_max": float(np.abs(v).max()) if v.size else 0.0,
+            "adv/zero_variance_frac": float(self.zero_variance.mean()) if self.zero_variance.size else 0.0,
             "adv/dropped": float((~self.keep).sum()),
         }
 
 
-def group_ids(keys: list[object]) -> torch.Tensor:
+def group_ids(keys: list[object]) -> np.ndarray:
     """Dense int64 group numbers for hashable keys (e.g. (step, index)), in first-seen order."""
     seen: dict[object, int] = {}
-    return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.int64)
+    return np.array([seen.setdefault(k, len(seen)) for k in keys], dtype=np.int64)
 
 
 def compute_advantages(
-    rewards: torch.Tensor | list[float],
-    groups: torch.Tensor | list[int],
-    lengths: torch.Tensor | list[int],
+    rewards: Any,
+    groups: Any,
+    lengths: Any,
     cfg: AlgoConfig,
 ) -> Advantages:
-    rewards = torch.as_tensor(rewards, dtype=torch.float64)
-    groups = torch.as_tensor(groups, dtype=torch.int64)
-    lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    if not (rewards.shape == groups.shape == lengths.shape) or rewards.dim() != 1:
+    """The configured estimator on per-episode `rewards`, `groups` and `lengths` (array-likes of one length), with
+    the zero-variance bookkeeping (module doc)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    groups = np.asarray(groups, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not (rewards.shape == groups.shape == lengths.shape) or rewards.ndim != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)}, groups {tuple(groups.shape)}, lengths "
                          f"{tuple(lengths.shape)} must be equal 1-d shapes")
-    if rewards.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.bool)
-        return Advantages(torch.zeros(0, dtype=torch.float64), empty, empty)
-    if not torch.isfinite(rewards).all():
+    if rewards.size == 0:
+        empty = np.zeros(0, dtype=bool)
+        return Advantages(np.zeros(0, dtype=np.float64), empty, empty)
+    if not np.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or inf")
     est = get_estimator(cfg.estimator)
-    values = est(rewards, groups, lengths, cfg).to(torch.float64)
+    values = np.asarray(est(rewards, groups, lengths, cfg), dtype=np.float64)
     g = int(groups.max()) + 1
-    gmax = torch.full((g,), -torch.inf, dtype=torch.float64).scatter_reduce(0, groups, rewards, "amax")
-    gmin = torch.full((g,), torch.inf, dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")
+    gmax = np.full(g, -np.inf)
+    np.maximum.at(gmax, groups, rewards)
+    gmin = np.full(g, np.inf)
+    np.minimum.at(gmin, groups, rewards)
     zero_var = (gmax == gmin)[groups]
-    keep = ~zero_var if cfg.drop_zero_variance_groups else torch.ones_like(zero_var)
+    keep = ~zero_var if cfg.drop_zero_variance_groups else np.ones_like(zero_var)
     return Advantages(values=values, keep=keep, zero_variance=zero_var)
 
 

@@ -1,7 +1,12 @@
-"""A step's usable records -> the episodes that enter the loss, with their advantages and the batch's numbers.
+"""A step's usable records -> the episodes that enter the loss, with their advantages and the batch's numbers, as
+flat arrays (numpy; no per-episode Python lists, no torch).
 
 Map:
-    Episode            one usable record, flattened (ids, masks, rollout logprobs, advantage, versions)
+    Episode            one episode as the collation reads it: its tokens, masks, behaviour logprobs, advantage,
+                       versions (lists, or views of an Episodes' arrays)
+    Episodes           a step's episodes as flat arrays: per-episode scalars for all of them, token arrays for
+                       those held here (all on the orchestrator, a learner rank's own: agentloop.train.batch.format);
+                       `episodes[i]` is an Episode of views
     Prepared           the episodes plus what verl's order of a step re-estimates from (every usable record's
                        reward, group and length)
     prepare_episodes   drop unscored records and infrastructure failures, group by uid, compute advantages
@@ -10,10 +15,10 @@ Map:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from agentloop.errors import failure_kind
 from agentloop.records import EpisodeRecord
@@ -23,14 +28,14 @@ from agentloop.train.config import AlgoConfig
 
 @dataclass
 class Episode:
-    ids: list[int]
+    ids: Sequence[int]
     """prompt_ids + response_ids."""
     prompt_len: int
-    response_mask: list[int]
-    rollout_logprobs: list[float]
+    response_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
     advantage: float
     reward: float
-    versions: list[int] | None = None
+    versions: Sequence[int] | None = None
     """Per response token: the weight version that sampled it, -1 where unknown or mask 0; None when the
     record carries no token versions (synchronous rollouts)."""
 
@@ -41,25 +46,133 @@ class Episode:
 
     @property
     def model_tokens(self) -> int:
-        return sum(self.response_mask)
+        return int(np.sum(np.asarray(self.response_mask, dtype=np.int64)))
+
+
+@dataclass
+class Episodes:
+    """A step's episodes as flat arrays. Per episode i (all n of them): prompt_len, size (prompt + response
+    tokens), model_tokens, advantage, reward, has_versions; its tokens are ids[start[i]:start[i] + size[i]] and its
+    response positions (mask, behaviour logprobs, versions) the slice at rstart[i] of those arrays, when they are
+    held here (start[i] >= 0). The orchestrator holds every episode; a learner rank reads only its own
+    (agentloop.train.batch.format.RankBatch)."""
+
+    prompt_len: np.ndarray
+    """int32 [n]."""
+    size: np.ndarray
+    """int32 [n]: prompt + response tokens."""
+    model_tokens: np.ndarray
+    """int32 [n]: mask-1 response tokens."""
+    advantage: np.ndarray
+    """float64 [n]."""
+    reward: np.ndarray
+    """float64 [n]."""
+    has_versions: np.ndarray
+    """uint8 [n]: whether the record carried token versions."""
+    start: np.ndarray
+    """int64 [n]: where episode i's tokens start in `ids`, -1 when they are not held here."""
+    rstart: np.ndarray
+    """int64 [n]: where its response positions start in the response arrays (-1: not held)."""
+    ids: np.ndarray
+    """int32: the tokens held, episode after episode."""
+    response_mask: np.ndarray
+    """uint8, per response token held."""
+    logprobs: np.ndarray
+    """float32, per response token held: the behaviour policy's (the servers') logprobs."""
+    versions: np.ndarray
+    """int32, per response token held: the weight version that sampled it, -1 unknown (meaningless where
+    has_versions is 0)."""
+
+    def __len__(self) -> int:
+        return int(self.prompt_len.shape[0])
+
+    def __getitem__(self, i: int) -> Episode:
+        s = int(self.start[i])
+        if s < 0:
+            raise IndexError(f"episode {i} is not held here (another learner rank's)")
+        size, p, r = int(self.size[i]), int(self.prompt_len[i]), int(self.rstart[i])
+        k = size - p
+        return Episode(ids=self.ids[s:s + size], prompt_len=p, response_mask=self.response_mask[r:r + k],
+                       rollout_logprobs=self.logprobs[r:r + k], advantage=float(self.advantage[i]),
+                       reward=float(self.reward[i]), versions=self.versions[r:r + k] if self.has_versions[i] else None)
+
+    def __iter__(self) -> Iterator[Episode]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Per episode, the tokens the model reads (size - 1)."""
+        return self.size.astype(np.int64) - 1
+
+    @classmethod
+    def from_list(cls, episodes: Sequence[Episode]) -> Episodes:
+        """The flat form of a list of Episode (tests, an in-process caller's own episodes)."""
+        n = len(episodes)
+        size = np.array([len(e.ids) for e in episodes], dtype=np.int32)
+        plen = np.array([e.prompt_len for e in episodes], dtype=np.int32)
+        resp = size.astype(np.int64) - plen
+        cat = lambda parts, dt: np.concatenate([np.asarray(x, dtype=dt) for x in parts]) if n else np.zeros(0, dt)  # noqa: E731
+        mask = cat([e.response_mask for e in episodes], np.uint8)
+        return cls(
+            prompt_len=plen, size=size, model_tokens=np.array([e.model_tokens for e in episodes], dtype=np.int32),
+            advantage=np.array([e.advantage for e in episodes], dtype=np.float64),
+            reward=np.array([e.reward for e in episodes], dtype=np.float64),
+            has_versions=np.array([e.versions is not None for e in episodes], dtype=np.uint8),
+            start=np.concatenate([[0], np.cumsum(size, dtype=np.int64)[:-1]]).astype(np.int64) if n else
+            np.zeros(0, np.int64),
+            rstart=np.concatenate([[0], np.cumsum(resp)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64),
+            ids=cat([e.ids for e in episodes], np.int32), response_mask=mask,
+            logprobs=cat([e.rollout_logprobs for e in episodes], np.float32),
+            versions=cat([e.versions if e.versions is not None else np.full(len(e.response_mask), -1)
+                          for e in episodes], np.int32))
 
 
 @dataclass
 class Prepared:
-    episodes: list[Episode]
+    episodes: Episodes
     """Episodes that enter the loss (failed, unscored and dropped ones removed)."""
     metrics: dict[str, float]
-    ok_rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    ok_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
     """Rewards of every usable record (the advantage estimator's input, episodes without model tokens
     and dropped groups included), for estimators run again later (agentloop.train.trainer.verl_order)."""
-    ok_groups: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    ok_groups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Their group numbers."""
-    ok_lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    ok_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Their model-token counts."""
-    ok_episode: list[int] = field(default_factory=list)
+    ok_episode: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per usable record, its index in `episodes`, -1 when it is not there."""
-    uids: list[int] = field(default_factory=list)
+    uids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per episode, its record's uid (the GRPO group; -1 when the record has none)."""
+
+
+def _records_to_episodes(ok: list[EpisodeRecord], advantage: np.ndarray) -> Episodes:
+    """The records' token lists, once, into flat arrays."""
+    n = len(ok)
+    plen = np.array([len(r.prompt_ids) for r in ok], dtype=np.int32)
+    resp = np.array([len(r.response_ids) for r in ok], dtype=np.int64)
+    size = (plen + resp).astype(np.int32)
+    if n:
+        ids = np.concatenate([np.asarray(x, dtype=np.int32) for r in ok for x in (r.prompt_ids, r.response_ids)])
+        mask = np.concatenate([np.asarray(r.response_mask, dtype=np.uint8) for r in ok])
+        lps = np.concatenate([np.asarray(r.response_logprobs, dtype=np.float32) for r in ok])
+        vers = np.concatenate([np.array([-1 if v is None else v for v in r.token_versions], dtype=np.int32)
+                               if r.token_versions else np.full(len(r.response_ids), -1, dtype=np.int32)
+                               for r in ok])
+        start = np.concatenate([[0], np.cumsum(size, dtype=np.int64)[:-1]]).astype(np.int64)
+        rstart = np.concatenate([[0], np.cumsum(resp)[:-1]]).astype(np.int64)
+    else:
+        ids, mask, lps, vers = (np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.float32),
+                                np.zeros(0, np.int32))
+        start = rstart = np.zeros(0, np.int64)
+    for i, r in enumerate(ok):
+        if len(r.response_mask) != resp[i] or len(r.response_logprobs) != resp[i]:
+            raise ValueError(f"episode {i}: {resp[i]} response tokens but {len(r.response_mask)} mask entries")
+    cm = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    model = (cm[rstart + resp] - cm[rstart]).astype(np.int32) if n else np.zeros(0, np.int32)
+    return Episodes(prompt_len=plen, size=size, model_tokens=model, advantage=np.asarray(advantage, np.float64),
+                    reward=np.array([float(r.reward) for r in ok], dtype=np.float64),
+                    has_versions=np.array([bool(r.token_versions) for r in ok], dtype=np.uint8),
+                    start=start, rstart=rstart, ids=ids, response_mask=mask, logprobs=lps, versions=vers)
 
 
 def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared:
@@ -86,76 +199,67 @@ def prepare_episodes(records: list[EpisodeRecord], algo: AlgoConfig) -> Prepared
     per_episode = compute_advantages([float(ok[idx[0]].reward) for idx in episodes.values()],
                                      group_ids([g for g, _ in episodes]),
                                      [sum(ok[i].num_model_tokens for i in idx) for idx in episodes.values()], algo)
-    which = torch.zeros(len(ok), dtype=torch.int64)
+    which = np.zeros(len(ok), dtype=np.int64)
     for e, idx in enumerate(episodes.values()):
         which[idx] = e
     adv = Advantages(values=per_episode.values[which], keep=per_episode.keep[which],
                      zero_variance=per_episode.zero_variance[which])
-    entered = [bool(k) and r.num_model_tokens > 0 and bool(r.prompt_ids) for r, k in zip(ok, adv.keep.tolist())]
-    ok_episode, n = [], 0
-    for e in entered:
-        ok_episode.append(n if e else -1)
-        n += e
-    eps = [
-        Episode(
-            ids=list(r.prompt_ids) + list(r.response_ids),
-            prompt_len=len(r.prompt_ids),
-            response_mask=list(r.response_mask),
-            rollout_logprobs=list(r.response_logprobs),
-            advantage=float(a),
-            reward=float(r.reward),
-            versions=[-1 if v is None else int(v) for v in r.token_versions] if r.token_versions else None,
-        )
-        for r, a, e in zip(ok, adv.values.tolist(), entered)
-        if e
-    ]
+    entered = np.array([bool(k) and r.num_model_tokens > 0 and bool(r.prompt_ids) for r, k in zip(ok, adv.keep)],
+                       dtype=bool)
+    ok_episode = np.where(entered, np.cumsum(entered) - 1, -1).astype(np.int64)
+    ins = [r for r, e in zip(ok, entered) if e]
+    eps = _records_to_episodes(ins, adv.values[entered])
     rewards = [float(r.reward) for r in ok]
+    n = len(eps)
     metrics = {
         "batch/records": float(len(records)),
         "batch/failed": float(failed),
         "batch/policy_failed": float(sum(1 for r in ok if r.error is not None)),
         "batch/unscored": float(len(records) - failed - len(ok)),
-        "batch/episodes": float(len(eps)),
-        "batch/model_tokens": float(sum(e.model_tokens for e in eps)),
-        "batch/seq_len_mean": sum(len(e.ids) for e in eps) / max(len(eps), 1),
+        "batch/episodes": float(n),
+        "batch/model_tokens": float(eps.model_tokens.sum()),
+        "batch/seq_len_mean": int(eps.size.sum()) / max(n, 1),
         "reward/mean": sum(rewards) / max(len(rewards), 1),
         **adv.metrics(),
     }
-    return Prepared(episodes=eps, metrics=metrics,
-                    ok_rewards=torch.tensor(rewards, dtype=torch.float64), ok_groups=groups,
-                    ok_lengths=torch.tensor([r.num_model_tokens for r in ok], dtype=torch.int64),
-                    ok_episode=ok_episode, uids=[-1 if r.uid is None else r.uid for r, e in zip(ok, entered) if e])
+    return Prepared(episodes=eps, metrics=metrics, ok_rewards=np.array(rewards, dtype=np.float64), ok_groups=groups,
+                    ok_lengths=np.array([r.num_model_tokens for r in ok], dtype=np.int64), ok_episode=ok_episode,
+                    uids=np.array([-1 if r.uid is None else r.uid for r in ins], dtype=np.int64))
 
 
-def staleness_metrics(episodes: list[Episode], step: int, *, max_lag_bucket: int = 4) -> dict[str, float]:
+def staleness_metrics(episodes: Episodes | Sequence[Episode], step: int, *,
+                      max_lag_bucket: int = 4) -> dict[str, float]:
     """Version lag per model token, lag = (step - 1) - version (step s trains the weights of version
     s - 1), over the tokens whose version is known: `async/staleness_mean`, `async/staleness_max`,
     `async/lag_share_<k>` for k < max_lag_bucket and `async/lag_share_<max_lag_bucket>+` (shares of those
     tokens), and `async/version_known_frac` (of all model tokens). Empty when no episode carries versions.
     Computed from the full episode list, so every rank gets the same numbers without a collective."""
-    if not any(e.versions is not None for e in episodes):
+    eps = episodes if isinstance(episodes, Episodes) else Episodes.from_list(episodes)
+    if not eps.has_versions.any():
         return {}
-    lags: Counter[int] = Counter()
-    known = total = 0
-    for e in episodes:
-        total += e.model_tokens
-        if e.versions is None:
-            continue
-        for m, v in zip(e.response_mask, e.versions):
-            if m and v >= 0:
-                lags[(step - 1) - v] += 1
-                known += 1
+    total = int(eps.model_tokens.sum())
+    if (eps.start < 0).any():
+        raise ValueError("staleness_metrics needs every episode's tokens (the orchestrator's Episodes)")
+    # per response token: whether its episode carries versions (the response arrays hold the episodes back to
+    # back, in `rstart` order)
+    resp = eps.size.astype(np.int64) - eps.prompt_len
+    order = np.argsort(eps.rstart, kind="stable")
+    carried = np.repeat(eps.has_versions[order].astype(bool), resp[order])
+    known_tok = (eps.response_mask > 0) & carried & (eps.versions >= 0)
+    lags = (step - 1) - eps.versions[known_tok].astype(np.int64)
+    known = int(lags.size)
     out = {"async/version_known_frac": known / max(total, 1)}
     if known:
-        if min(lags) < 0:
-            raise ValueError(f"step {step}: a token was sampled by weight version {step - 1 - min(lags)}, newer than "
-                             f"the weights this step starts from (version {step - 1})")
-        out["async/staleness_mean"] = sum(k * n for k, n in lags.items()) / known
-        out["async/staleness_max"] = float(max(lags))
+        if lags.min() < 0:
+            raise ValueError(f"step {step}: a token was sampled by weight version {step - 1 - int(lags.min())}, "
+                             f"newer than the weights this step starts from (version {step - 1})")
+        out["async/staleness_mean"] = int(lags.sum()) / known
+        out["async/staleness_max"] = float(lags.max())
+        counts = np.bincount(lags)
         for k in range(max_lag_bucket):
-            out[f"async/lag_share_{k}"] = lags.get(k, 0) / known
-        out[f"async/lag_share_{max_lag_bucket}+"] = sum(n for k, n in lags.items() if k >= max_lag_bucket) / known
+            out[f"async/lag_share_{k}"] = int(counts[k] if k < counts.size else 0) / known
+        out[f"async/lag_share_{max_lag_bucket}+"] = int(counts[max_lag_bucket:].sum()) / known
     return out
 
 
-__all__ = ["Episode", "Prepared", "prepare_episodes", "staleness_metrics"]
+__all__ = ["Episode", "Episodes", "Prepared", "prepare_episodes", "staleness_metrics"]

@@ -1,49 +1,67 @@
-"""A step's batch as the learner trains it, prepared by the orchestrator and sent in a compact binary form.
+"""A step's batch as the learner trains it: one safetensors file, prepared by the orchestrator, of which each
+learner rank reads only what it trains.
 
 The orchestrator holds the step's GRPO groups, so it computes what the learner would otherwise rebuild from
 whole records: the episodes that enter the loss with their advantages, the step's batch metrics, the
 mini-batches, and every rank's packed micro-batches (which episodes share a row, which rows share a forward).
-The learner receives exactly that (token ids, masks, behaviour logprobs, versions, advantages, the plan) and
-only turns its own rank's share into tensors (agentloop.train.trainer.collate.collate_micro_batches). No text, no
-message lists, no record fields the learner never reads travel.
+The file holds exactly that (token ids, masks, behaviour logprobs, versions, advantages, the plan) and nothing
+else: no text, no message lists, no record fields the learner never reads. One array form end to end: the
+orchestrator's numpy arrays (agentloop.train.batch.episodes.Episodes) are written as they are, a rank reads views
+of its own rows back, and agentloop.train.trainer.collate turns them into its micro-batches' tensors.
+
+File form (safetensors; FORMAT names this layout):
+    __metadata__  format, step, layout (BatchLayout), minis, plan ([mini-batch][rank][micro-batch][row] ->
+                  episode indices), metrics, ranks ([token start, token end, response start, response end] of
+                  each rank's slice), unversioned (an episode whose model tokens lack a weight version, -1: none);
+                  JSON strings
+    per episode   n values each, in the orchestrator's episode order (the plan's indices), read whole by every
+                  rank (a few bytes an episode): prompt_len, size, model_tokens, advantage, reward, uid,
+                  has_versions, start, rstart (where its tokens and response positions start)
+    per token     ids (int32), and per response token response_mask (uint8), logprobs (float32), versions
+                  (int32): laid out rank by rank, each rank's episodes back to back in the order of its
+                  micro-batches, so a rank's rows are one contiguous slice of each array
+    per record    ok_rewards, ok_groups, ok_lengths, ok_episode: what verl's order of a step re-estimates
+                  advantages from (agentloop.train.trainer.verl_order)
+A 512-episode step of ~900 tokens each is ~3 MB; a rank of W reads the per-episode arrays and ~1/W of the rest.
 
 Map:
     BatchLayout    what the plan depends on that only the learner knows (ranks, packed or padded rows, prompt
                    sharing, the FLOP model's row cost, token budget, padding): reported by the learner when
                    it is ready (LearnerInfo.layout), so the orchestrator plans for the learner it talks to
-    TrainBatch     one step: episodes as flat arrays, per-episode scalars, the plan, the metrics, and what
-                   verl's order of a step re-estimates from (agentloop.train.trainer.verl_order)
-    prepare_batch  (agentloop.train.batch.prepare) records -> TrainBatch, on the orchestrator's side
-    TrainBatch.encode / decode   the binary form (below)
-
-Binary form: b"ALTB" + format version (u32) + header length (u64) + a JSON header (step, layout, metrics, the
-plan, and for each array its dtype, shape and byte offset) + the arrays' bytes, each 8-byte aligned. Decoding
-reads the arrays in place (numpy views of the buffer). A 512-episode step of ~900 tokens each is ~3 MB.
-
-Imports torch (CPU) lazily, for the advantage estimators and the mini-batch shuffle: the orchestrator never
-imports the learner (FSDP, the model).
+    TrainBatch     one step, whole (the orchestrator's; prepare_batch in agentloop.train.batch.prepare):
+                   to_bytes / load, for_rank (in memory)
+    RankBatch      one rank's share, read from the file or the bytes (RankBatch.read): the per-episode arrays,
+                   its own rows, the plan, the metrics
+    check_batch    the file's header and metadata, without reading its arrays (learner rank 0, before every rank
+                   reads its share)
 """
 
 from __future__ import annotations
 
 import json
-import struct
+import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 from agentloop.errors import AgentLoopError
+from agentloop.train.batch.episodes import Episodes, Prepared
 
-if TYPE_CHECKING:
-    from agentloop.train.batch.episodes import Episode, Prepared
+FORMAT = "agentloop-batch/2"
+"""The layout this module writes and reads (the metadata's `format`)."""
 
-MAGIC = b"ALTB"
-FORMAT = 1
+_DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
+_PER_EPISODE = ("prompt_len", "size", "model_tokens", "advantage", "reward", "uid", "has_versions", "start", "rstart")
+_PER_TOKEN = ("ids",)
+_PER_RESPONSE = ("response_mask", "logprobs", "versions")
+_PER_RECORD = ("ok_rewards", "ok_groups", "ok_lengths", "ok_episode")
+_META = ("format", "step", "layout", "minis", "plan", "metrics", "ranks", "unversioned")
 
 
 class BatchFormatError(AgentLoopError):
-    """A batch's bytes are not a TrainBatch of this format."""
+    """A batch's bytes are not a step's batch of this format."""
 
 
 @dataclass(frozen=True)
@@ -83,31 +101,13 @@ class BatchLayout:
 
 
 @dataclass
-class TrainBatch:
-    """One step's batch (module doc). Episode i's tokens are ids[id_off[i]:id_off[i+1]]; its response part
-    (mask, logprobs, versions) is the slice [resp_off[i]:resp_off[i+1]] of those arrays."""
+class _Shared:
+    """What a whole batch and a rank's share have in common."""
 
     step: int
     layout: BatchLayout
-    ids: np.ndarray
-    """int32: every episode's prompt_ids + response_ids, back to back."""
-    id_off: np.ndarray
-    """int64 [n + 1]."""
-    prompt_len: np.ndarray
-    """int32 [n]."""
-    response_mask: np.ndarray
-    """uint8, per response token."""
-    logprobs: np.ndarray
-    """float32, per response token: the behaviour policy's (the servers') logprobs."""
-    versions: np.ndarray
-    """int32, per response token: the weight version that sampled it, -1 unknown (meaningless where
-    has_versions is 0)."""
-    has_versions: np.ndarray
-    """uint8 [n]: whether the record carried token versions."""
-    advantage: np.ndarray
-    """float64 [n]."""
-    reward: np.ndarray
-    """float64 [n]."""
+    episodes: Episodes
+    """Per-episode arrays of every episode; the token arrays of those held (all, or the rank's own)."""
     uid: np.ndarray
     """int64 [n]: each episode's GRPO group (the prompt's stream position), -1 when unknown."""
     ok_rewards: np.ndarray
@@ -121,97 +121,227 @@ class TrainBatch:
     minis: list[list[int]]
     """The mini-batches (episode indices)."""
     plan: list[list[list[list[list[int]]]]]
-    """[mini-batch][rank][micro-batch][row] -> episode indices (agentloop.train.trainer.collate.plan_ranks)."""
+    """[mini-batch][rank][micro-batch][row] -> episode indices (agentloop.train.batch.packing.plan_ranks)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """batch/*, reward/*, adv/*, async/* numbers of the step (the learner reports them with its own)."""
-
-    _ARRAYS = ("ids", "id_off", "prompt_len", "response_mask", "logprobs", "versions", "has_versions", "advantage",
-               "reward", "uid", "ok_rewards", "ok_groups", "ok_lengths", "ok_episode")
+    unversioned: int = -1
+    """An episode with a model token of unknown weight version (algo.proximal=interpolate refuses it); -1: none."""
 
     @property
     def num_episodes(self) -> int:
-        return int(self.prompt_len.shape[0])
+        return len(self.episodes)
 
     @property
-    def resp_off(self) -> np.ndarray:
-        lens = np.diff(self.id_off) - self.prompt_len
-        return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    def episode_tokens(self) -> int:
+        """Tokens the model reads, over every episode of the step."""
+        return int(self.episodes.lengths.sum())
+
+    def prepared(self) -> Prepared:
+        """The batch as agentloop.train.batch.episodes.prepare_episodes made it (verl's order re-estimates from
+        it)."""
+        return Prepared(episodes=self.episodes, metrics=dict(self.metrics), ok_rewards=self.ok_rewards,
+                        ok_groups=self.ok_groups, ok_lengths=self.ok_lengths, ok_episode=self.ok_episode,
+                        uids=self.uid)
+
+
+@dataclass
+class TrainBatch(_Shared):
+    """One step's batch, whole: the orchestrator's (module doc). Its token arrays are laid out rank by rank;
+    `ranks[r]` is rank r's (token start, token end, response start, response end)."""
+
+    ranks: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def tokens(self, i: int) -> list[int]:
         """Episode i's prompt + response token ids."""
-        return self.ids[self.id_off[i]:self.id_off[i + 1]].tolist()
+        return self.episodes[i].ids.tolist()
 
     def response_ids(self, i: int) -> list[int]:
-        return self.ids[self.id_off[i] + self.prompt_len[i]:self.id_off[i + 1]].tolist()
+        e = self.episodes[i]
+        return e.ids[e.prompt_len:].tolist()
 
-    def episodes(self) -> list[Episode]:
-        """The episodes the plan indexes, as agentloop.train.trainer.collate collates them."""
-        from agentloop.train.batch.episodes import Episode
+    def _arrays(self) -> dict[str, np.ndarray]:
+        e = self.episodes
+        out = {name: getattr(e, name) for name in _PER_EPISODE if name != "uid"}
+        out.update(uid=self.uid, ids=e.ids, response_mask=e.response_mask, logprobs=e.logprobs, versions=e.versions,
+                   ok_rewards=self.ok_rewards, ok_groups=self.ok_groups, ok_lengths=self.ok_lengths,
+                   ok_episode=self.ok_episode)
+        return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
-        ro = self.resp_off
-        out = []
-        for i in range(self.num_episodes):
-            a, b = int(ro[i]), int(ro[i + 1])
-            out.append(Episode(ids=self.tokens(i), prompt_len=int(self.prompt_len[i]),
-                               response_mask=self.response_mask[a:b].tolist(),
-                               rollout_logprobs=self.logprobs[a:b].tolist(), advantage=float(self.advantage[i]),
-                               reward=float(self.reward[i]),
-                               versions=self.versions[a:b].tolist() if self.has_versions[i] else None))
-        return out
+    def _meta(self) -> dict[str, str]:
+        return {"format": FORMAT, "step": str(self.step), "layout": json.dumps(self.layout.to_json()),
+                "minis": json.dumps(self.minis, separators=(",", ":")),
+                "plan": json.dumps(self.plan, separators=(",", ":")), "metrics": json.dumps(self.metrics),
+                "ranks": json.dumps(self.ranks), "unversioned": str(self.unversioned)}
 
-    def prepared(self, episodes: list[Episode] | None = None) -> Prepared:
-        """The batch as agentloop.train.trainer.collate.prepare_episodes made it (verl's order re-estimates from it)."""
-        import torch
+    def to_bytes(self) -> bytes:
+        """The safetensors file (module doc)."""
+        from safetensors.numpy import save
 
-        from agentloop.train.batch.episodes import Prepared
-
-        return Prepared(episodes=episodes if episodes is not None else self.episodes(), metrics=dict(self.metrics),
-                        ok_rewards=torch.from_numpy(self.ok_rewards.astype(np.float64)),
-                        ok_groups=torch.from_numpy(self.ok_groups.astype(np.int64)),
-                        ok_lengths=torch.from_numpy(self.ok_lengths.astype(np.int64)),
-                        ok_episode=self.ok_episode.tolist(), uids=self.uid.tolist())
-
-    # ------------------------------------------------------------------ binary form
-
-    def encode(self) -> bytes:
-        specs, chunks, off = {}, [], 0
-        for name in self._ARRAYS:
-            a = np.ascontiguousarray(getattr(self, name))
-            specs[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": off}
-            raw = a.tobytes()
-            pad = (-len(raw)) % 8
-            chunks.append(raw + b"\0" * pad)
-            off += len(raw) + pad
-        header = json.dumps({"step": self.step, "layout": self.layout.to_json(), "minis": self.minis,
-                             "plan": self.plan, "metrics": self.metrics, "arrays": specs},
-                            separators=(",", ":")).encode()
-        header += b" " * ((-len(header)) % 8)
-        return b"".join([MAGIC, struct.pack("<IQ", FORMAT, len(header)), header, *chunks])
+        return save(self._arrays(), metadata=self._meta())
 
     @classmethod
-    def decode(cls, data: bytes | memoryview) -> TrainBatch:
-        buf = memoryview(data)
-        if bytes(buf[:4]) != MAGIC:
-            raise BatchFormatError("not a TrainBatch (bad magic)")
-        fmt, hlen = struct.unpack("<IQ", bytes(buf[4:16]))
-        if fmt != FORMAT:
-            raise BatchFormatError(f"TrainBatch format {fmt}, this learner reads format {FORMAT}")
+    def load(cls, source: str | Path | bytes) -> TrainBatch:
+        """A whole batch from its file or bytes (inspection, tests)."""
+        src = _Source.open(source)
         try:
-            header = json.loads(bytes(buf[16:16 + hlen]))
-        except ValueError as e:
-            raise BatchFormatError(f"unreadable TrainBatch header: {e}") from None
-        base = 16 + hlen
-        arrays = {}
-        for name in cls._ARRAYS:
-            spec = header["arrays"][name]
-            dt = np.dtype(spec["dtype"])
-            n = int(np.prod(spec["shape"], dtype=np.int64))
-            start = base + spec["offset"]
-            if start + n * dt.itemsize > len(buf):
-                raise BatchFormatError(f"TrainBatch truncated in array {name}")
-            arrays[name] = np.frombuffer(buf, dtype=dt, count=n, offset=start).reshape(spec["shape"])
-        return cls(step=int(header["step"]), layout=BatchLayout.from_json(header["layout"]), minis=header["minis"],
-                   plan=header["plan"], metrics=header["metrics"], **arrays)
+            head, meta = src.header()
+            arrays = {name: src.array(head, name) for name in (*_PER_EPISODE, *_PER_TOKEN, *_PER_RESPONSE,
+                                                               *_PER_RECORD)}
+        finally:
+            src.close()
+        eps = _episodes(arrays, arrays)
+        return cls(**_common(meta, arrays, eps), ranks=[tuple(r) for r in json.loads(meta["ranks"])])
+
+    def for_rank(self, rank: int) -> RankBatch:
+        """Rank `rank`'s share, in memory (views): what RankBatch.read gives that rank from the file."""
+        t0, t1, r0, r1 = self.ranks[rank] if self.ranks else (0, 0, 0, 0)
+        e = self.episodes
+        held = (e.start >= t0) & (e.start < t1) if len(e) else np.zeros(0, bool)
+        mine = Episodes(prompt_len=e.prompt_len, size=e.size, model_tokens=e.model_tokens, advantage=e.advantage,
+                        reward=e.reward, has_versions=e.has_versions, start=np.where(held, e.start - t0, -1),
+                        rstart=np.where(held, e.rstart - r0, -1), ids=e.ids[t0:t1],
+                        response_mask=e.response_mask[r0:r1], logprobs=e.logprobs[r0:r1], versions=e.versions[r0:r1])
+        fields = {k: getattr(self, k) for k in ("step", "layout", "uid", "ok_rewards", "ok_groups", "ok_lengths",
+                                                "ok_episode", "minis", "plan", "metrics", "unversioned")}
+        return RankBatch(**fields, episodes=mine, rank=rank)
 
 
-__all__ = ["BatchFormatError", "BatchLayout", "TrainBatch"]
+@dataclass
+class RankBatch(_Shared):
+    """One learner rank's share of a step's batch (module doc): every per-episode array, its own rows' token
+    arrays (`episodes[i]` of another rank's episode is an IndexError), the plan and the metrics."""
+
+    rank: int = 0
+    read_bytes: int = 0
+    """Bytes read from the source (its header included)."""
+
+    @classmethod
+    def read(cls, source: str | Path | bytes, rank: int) -> RankBatch:
+        """Rank `rank`'s share from the batch file (only the header, the per-episode arrays and its own slices
+        of the token arrays are read) or from the file's bytes."""
+        src = _Source.open(source)
+        try:
+            head, meta = src.header()
+            ranks = json.loads(meta["ranks"])
+            if ranks and not 0 <= rank < len(ranks):
+                raise BatchFormatError(f"the batch was planned for {len(ranks)} rank(s); this is rank {rank}")
+            t0, t1, r0, r1 = ranks[rank] if ranks else (0, 0, 0, 0)
+            whole = {name: src.array(head, name) for name in (*_PER_EPISODE, *_PER_RECORD)}
+            rows = {name: src.array(head, name, t0, t1) for name in _PER_TOKEN}
+            rows.update({name: src.array(head, name, r0, r1) for name in _PER_RESPONSE})
+            read_bytes = src.read_bytes
+        finally:
+            src.close()
+        start, rstart = whole["start"], whole["rstart"]
+        held = (start >= t0) & (start < t1)
+        whole = {**whole, "start": np.where(held, start - t0, -1), "rstart": np.where(held, rstart - r0, -1)}
+        return cls(**_common(meta, whole, _episodes(whole, rows)), rank=rank, read_bytes=read_bytes)
+
+    def my_micro_batches(self, j: int) -> list[list[list[int]]]:
+        """This rank's micro-batches (rows of episode indices) of mini-batch j."""
+        return self.plan[j][self.rank]
+
+
+def check_batch(source: str | Path | bytes) -> dict[str, Any]:
+    """The batch's step, layout and plan from its header and metadata (BatchFormatError when they are not this
+    format's, or an array runs past the end), without reading any array: learner rank 0 checks a batch before
+    every rank reads its share."""
+    src = _Source.open(source)
+    try:
+        _, meta = src.header()
+    finally:
+        src.close()
+    return {"step": int(meta["step"]), "layout": json.loads(meta["layout"])}
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _episodes(per_episode: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> Episodes:
+    return Episodes(**{k: per_episode[k] for k in _PER_EPISODE if k != "uid"},
+                    **{k: tokens[k] for k in (*_PER_TOKEN, *_PER_RESPONSE)})
+
+
+def _common(meta: dict[str, str], arrays: dict[str, np.ndarray], eps: Episodes) -> dict[str, Any]:
+    return {"step": int(meta["step"]), "layout": BatchLayout.from_json(json.loads(meta["layout"])),
+            "episodes": eps, "uid": arrays["uid"], "ok_rewards": arrays["ok_rewards"],
+            "ok_groups": arrays["ok_groups"], "ok_lengths": arrays["ok_lengths"], "ok_episode": arrays["ok_episode"],
+            "minis": json.loads(meta["minis"]), "plan": json.loads(meta["plan"]),
+            "metrics": json.loads(meta["metrics"]), "unversioned": int(meta["unversioned"])}
+
+
+class _Source:
+    """The bytes of a batch: a file read at positions (os.pread: only what is asked for) or a buffer."""
+
+    def __init__(self, fd: int | None, buf: memoryview | None, size: int):
+        self.fd, self.buf, self.size = fd, buf, size
+        self.read_bytes = 0
+        self._base = 0
+
+    @classmethod
+    def open(cls, source: str | Path | bytes) -> _Source:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            buf = memoryview(source)
+            return cls(None, buf, len(buf))
+        fd = os.open(source, os.O_RDONLY)
+        return cls(fd, None, os.fstat(fd).st_size)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _read(self, offset: int, length: int) -> bytes | memoryview:
+        if offset < 0 or offset + length > self.size:
+            raise BatchFormatError(f"batch truncated: {offset + length} bytes needed, {self.size} there")
+        self.read_bytes += length
+        if self.buf is not None:
+            return self.buf[offset:offset + length]
+        assert self.fd is not None
+        out = os.pread(self.fd, length, offset)
+        if len(out) != length:
+            raise BatchFormatError(f"batch truncated: {offset + length} bytes needed, {offset + len(out)} read")
+        return out
+
+    def header(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The safetensors header (name -> dtype, shape, data offsets) and our metadata, checked."""
+        if self.size < 8:
+            raise BatchFormatError("not a batch file (shorter than a safetensors header)")
+        n = int.from_bytes(bytes(self._read(0, 8)), "little")
+        if n <= 0 or n > 100 * 2**20:
+            raise BatchFormatError("not a batch file (no safetensors header)")
+        try:
+            head = json.loads(bytes(self._read(8, n)))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BatchFormatError(f"not a batch file (unreadable safetensors header: {e})") from None
+        if not isinstance(head, dict):
+            raise BatchFormatError("not a batch file (its safetensors header is no object)")
+        meta = head.pop("__metadata__", None) or {}
+        fmt = meta.get("format")
+        if fmt != FORMAT:
+            raise BatchFormatError(f"a batch of format {fmt!r}; this learner reads {FORMAT!r}")
+        missing = [k for k in _META if k not in meta] + \
+            [k for k in (*_PER_EPISODE, *_PER_TOKEN, *_PER_RESPONSE, *_PER_RECORD) if k not in head]
+        if missing:
+            raise BatchFormatError(f"batch without {', '.join(missing)}")
+        self._base = 8 + n
+        end = max((int(v["data_offsets"][1]) for v in head.values()), default=0)
+        if self._base + end > self.size:
+            raise BatchFormatError(f"batch truncated: its arrays end at byte {self._base + end}, the file at "
+                                   f"{self.size}")
+        return head, meta
+
+    def array(self, head: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """1-d array `name`, or its elements [lo, hi)."""
+        spec = head[name]
+        dt = np.dtype(_DTYPES[spec["dtype"]])
+        begin, end = (int(x) for x in spec["data_offsets"])
+        count = (end - begin) // dt.itemsize
+        lo, hi = (0, count) if lo is None else (lo, hi)
+        if not 0 <= lo <= hi <= count:
+            raise BatchFormatError(f"batch array {name}: elements [{lo}, {hi}) of {count}")
+        raw = self._read(self._base + begin + lo * dt.itemsize, (hi - lo) * dt.itemsize)
+        return np.frombuffer(raw, dtype=dt)
+
+
+__all__ = ["FORMAT", "BatchFormatError", "BatchLayout", "RankBatch", "TrainBatch", "check_batch"]

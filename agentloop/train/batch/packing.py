@@ -3,7 +3,8 @@ indices in, episode indices out; the orchestrator plans a step for all ranks, ea
 tensors (agentloop.train.trainer.collate).
 
 Map:
-    mini_batch_indices deterministic shuffle + split of a step's episodes into mini-batches
+    mini_batch_indices deterministic shuffle + split of a step's episodes into mini-batches (torch.randperm's
+                       permutation, computed with numpy: randperm)
     shard_for_rank     token-balanced split of a mini-batch over ranks (same answer on every rank)
     pack_greedy        first-fit-decreasing packing of sequences under a token budget
     item_length, item_attn_sq   a row's real tokens and its attention term (the FLOP model's)
@@ -20,19 +21,46 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-import torch
+import numpy as np
 
-from agentloop.train.batch.episodes import Episode
+from agentloop.train.batch.episodes import Episode, Episodes
 from agentloop.train.flops import RowCost
+
+EpisodeSeq = Episodes | Sequence[Episode]
+"""A step's episodes: flat arrays, or a list of Episode."""
 
 Lengths = Sequence[int] | Mapping[int, int]
 """Lengths indexed by the ids being packed (episode indices, or a row's first episode)."""
 
 
+def _mt19937_key(seed: int) -> np.ndarray:
+    """MT19937's state after init_genrand(seed mod 2^32): how torch.Generator().manual_seed(seed) seeds it."""
+    s = seed & 0xFFFFFFFF
+    key = [s]
+    for j in range(1, 624):
+        s = (1812433253 * (s ^ (s >> 30)) + j) & 0xFFFFFFFF
+        key.append(s)
+    return np.array(key, dtype=np.uint32)
+
+
+def randperm(n: int, seed: int) -> np.ndarray:
+    """torch.randperm(n, generator=torch.Generator().manual_seed(seed)) without torch: the same Mersenne Twister
+    stream and the same Fisher-Yates walk (swap i with i + random() % (n - i)), so a step's mini-batches are the
+    ones the learner drew itself before (tests/unit/train/test_batch_plan.py checks it against torch)."""
+    bits = np.random.MT19937()
+    bits.state = {"bit_generator": "MT19937", "state": {"key": _mt19937_key(seed), "pos": 624}}
+    perm = np.arange(n, dtype=np.int64)
+    draws = bits.random_raw(n - 1).tolist() if n > 1 else []
+    for i, z in enumerate(draws):
+        j = i + z % (n - i)
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
 def mini_batch_indices(n: int, mini_batches: int, *, seed: int) -> list[list[int]]:
-    """Shuffle 0..n-1 with `seed` and cut into `mini_batches` near-equal parts (empty parts dropped)."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g).tolist()
+    """Shuffle 0..n-1 with `seed` (`randperm`) and cut into `mini_batches` near-equal parts (empty parts
+    dropped)."""
+    perm = randperm(n, seed).tolist()
     k = max(1, min(mini_batches, n))
     parts = [perm[i * n // k:(i + 1) * n // k] for i in range(k)]
     return [p for p in parts if p]
@@ -69,24 +97,32 @@ def pack_greedy(idxs: list[int], lengths: Lengths, budget: int) -> list[list[int
 ShareMode = Literal["auto", "on", "off"]
 
 
-def item_length(episodes: list[Episode], item: list[int]) -> int:
+def _length(episodes: EpisodeSeq, i: int) -> int:
+    return int(episodes.size[i]) - 1 if isinstance(episodes, Episodes) else episodes[i].length
+
+
+def _prompt_len(episodes: EpisodeSeq, i: int) -> int:
+    return int(episodes.prompt_len[i]) if isinstance(episodes, Episodes) else episodes[i].prompt_len
+
+
+def item_length(episodes: EpisodeSeq, item: list[int]) -> int:
     """Real tokens of the row that holds `item`: one episode's length, or prompt + segments."""
     if len(item) == 1:
-        return episodes[item[0]].length
-    p = episodes[item[0]].prompt_len - 1
-    return p + sum(episodes[i].length - p for i in item)
+        return _length(episodes, item[0])
+    p = _prompt_len(episodes, item[0]) - 1
+    return p + sum(_length(episodes, i) - p for i in item)
 
 
-def item_attn_sq(episodes: list[Episode], item: list[int]) -> int:
+def item_attn_sq(episodes: EpisodeSeq, item: list[int]) -> int:
     """The FLOP model's attention term of the row holding `item` (MicroBatch.row_attn_sq)."""
     if len(item) == 1:
-        return episodes[item[0]].length ** 2
-    p = episodes[item[0]].prompt_len - 1
-    return p * p + sum(episodes[i].length ** 2 - p * p for i in item)
+        return _length(episodes, item[0]) ** 2
+    p = _prompt_len(episodes, item[0]) - 1
+    return p * p + sum(_length(episodes, i) ** 2 - p * p for i in item)
 
 
 def share_items(
-    episodes: list[Episode],
+    episodes: EpisodeSeq,
     idxs: list[int],
     *,
     budget: int,
@@ -104,17 +140,17 @@ def share_items(
         return sorted([i] for i in idxs)
     if share == "auto" and cost is None:
         raise ValueError("share='auto' needs a RowCost")
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    by_prompt: dict[bytes, list[int]] = {}
     for i in idxs:
         e = episodes[i]
-        by_prompt.setdefault(tuple(e.ids[:e.prompt_len]), []).append(i)
+        by_prompt.setdefault(np.asarray(e.ids[:e.prompt_len], dtype=np.int64).tobytes(), []).append(i)
     items: list[list[int]] = []
     for members in by_prompt.values():
-        p = episodes[members[0]].prompt_len - 1
+        p = _prompt_len(episodes, members[0]) - 1
         if len(members) == 1 or budget - p <= 0:
             items.extend([i] for i in members)
             continue
-        n = {i: episodes[i].length - p for i in members}
+        n = {i: _length(episodes, i) - p for i in members}
         for chunk in pack_greedy(members, n, budget - p):
             if len(chunk) > 1 and (share == "on" or cost.sharing_pays(p, [n[i] for i in chunk])):
                 items.append(sorted(chunk))
@@ -123,14 +159,17 @@ def share_items(
     return sorted(items)
 
 
-def mini_batch_totals(episodes: list[Episode], idxs: Sequence[int]) -> tuple[float, float]:
+def mini_batch_totals(episodes: EpisodeSeq, idxs: Sequence[int]) -> tuple[float, float]:
     """(model tokens, sequences with model tokens) of the mini-batch `idxs`: the denominators of its weights."""
+    if isinstance(episodes, Episodes):
+        m = episodes.model_tokens[np.asarray(idxs, dtype=np.int64)].astype(np.int64)
+        return float(m.sum()), float((m > 0).sum())
     return (float(sum(episodes[i].model_tokens for i in idxs)),
             float(sum(1 for i in idxs if episodes[i].model_tokens > 0)))
 
 
 def plan_ranks(
-    episodes: list[Episode],
+    episodes: EpisodeSeq,
     idxs: list[int],
     *,
     budget: int,
@@ -153,5 +192,5 @@ def plan_ranks(
     return [[[by_first[f] for f in firsts] for firsts in p + [[] for _ in range(n_max - len(p))]] for p in plans]
 
 
-__all__ = ["Lengths", "ShareMode", "item_attn_sq", "item_length", "mini_batch_indices", "mini_batch_totals",
-           "pack_greedy", "plan_ranks", "shard_for_rank", "share_items"]
+__all__ = ["EpisodeSeq", "Lengths", "ShareMode", "item_attn_sq", "item_length", "mini_batch_indices",
+           "mini_batch_totals", "pack_greedy", "plan_ranks", "randperm", "shard_for_rank", "share_items"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from agentloop.records import EpisodeRecord
-from agentloop.train.batch.episodes import Episode, Prepared, prepare_episodes, staleness_metrics
+from agentloop.train.batch.episodes import Episodes, Prepared, prepare_episodes, staleness_metrics
 from agentloop.train.batch.format import BatchLayout, TrainBatch
 from agentloop.train.batch.packing import mini_batch_indices, plan_ranks
 from agentloop.train.config import AlgoConfig
@@ -24,7 +24,7 @@ from agentloop.train.flops import RowCost
 def prepare_batch(records: list[EpisodeRecord], algo: AlgoConfig, layout: BatchLayout, step: int) -> TrainBatch:
     """The step's batch from its usable records: advantages per GRPO group (prepare_episodes), staleness numbers,
     the mini-batch split and every rank's micro-batches, as the learner laid them out before it received them
-    ready-made (so the learner's numbers are unchanged)."""
+    ready-made (so the learner's numbers are unchanged). numpy only: the orchestrator never imports torch."""
     prepared = prepare_episodes(list(records), algo)
     eps = prepared.episodes
     metrics = dict(prepared.metrics)
@@ -36,33 +36,47 @@ def prepare_batch(records: list[EpisodeRecord], algo: AlgoConfig, layout: BatchL
     return _pack(step, layout, eps, prepared, minis, plan, metrics)
 
 
-def _pack(step: int, layout: BatchLayout, eps: list[Episode], prepared: Prepared, minis: list[list[int]],
+def _pack(step: int, layout: BatchLayout, eps: Episodes, prepared: Prepared, minis: list[list[int]],
           plan: list, metrics: dict[str, float]) -> TrainBatch:
+    """The batch with its token arrays laid out rank by rank (agentloop.train.batch.format): each rank's episodes
+    back to back, in the order of its micro-batches, so a rank's rows are one slice of each array."""
     n = len(eps)
-    lens = [len(e.ids) for e in eps]
-    rlens = [len(e.response_mask) for e in eps]
-    for i, e in enumerate(eps):
-        if lens[i] - e.prompt_len != rlens[i]:
-            raise ValueError(f"episode {i}: {lens[i] - e.prompt_len} response tokens but {rlens[i]} mask entries")
-    flat = [t for e in eps for t in e.ids]
-    return TrainBatch(
-        step=step, layout=layout,
-        ids=np.asarray(flat, dtype=np.int32) if flat else np.zeros(0, np.int32),
-        id_off=np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int64),
-        prompt_len=np.asarray([e.prompt_len for e in eps], dtype=np.int32),
-        response_mask=np.asarray([m for e in eps for m in e.response_mask], dtype=np.uint8),
-        logprobs=np.asarray([x for e in eps for x in e.rollout_logprobs], dtype=np.float32),
-        versions=np.asarray([v for e in eps for v in (e.versions if e.versions is not None
-                                                      else [-1] * len(e.response_mask))], dtype=np.int32),
-        has_versions=np.asarray([e.versions is not None for e in eps], dtype=np.uint8),
-        advantage=np.asarray([e.advantage for e in eps], dtype=np.float64),
-        reward=np.asarray([e.reward for e in eps], dtype=np.float64),
-        uid=np.asarray(prepared.uids, dtype=np.int64).reshape(n),
-        ok_rewards=prepared.ok_rewards.numpy().astype(np.float64),
-        ok_groups=prepared.ok_groups.numpy().astype(np.int64),
-        ok_lengths=prepared.ok_lengths.numpy().astype(np.int64),
-        ok_episode=np.asarray(prepared.ok_episode, dtype=np.int64),
-        minis=[list(m) for m in minis], plan=plan, metrics=metrics)
+    resp = eps.size.astype(np.int64) - eps.prompt_len
+    order_by_rank: list[list[int]] = [[] for _ in range(layout.world)]
+    for per_rank in plan:
+        for r, micro_batches in enumerate(per_rank):
+            order_by_rank[r].extend(i for rows in micro_batches for row in rows for i in row)
+    order = [i for mine in order_by_rank for i in mine]
+    if sorted(order) != list(range(n)):
+        raise ValueError(f"step {step}: the plan does not hold each of the {n} episodes exactly once")
+    start = np.zeros(n, dtype=np.int64)
+    rstart = np.zeros(n, dtype=np.int64)
+    ranks: list[tuple[int, int, int, int]] = []
+    t = r = 0
+    for mine in order_by_rank:
+        t0, r0 = t, r
+        for i in mine:
+            start[i], rstart[i] = t, r
+            t += int(eps.size[i])
+            r += int(resp[i])
+        ranks.append((t0, t, r0, r))
+
+    def gather(arr: np.ndarray, at: np.ndarray, count: np.ndarray) -> np.ndarray:
+        parts = [arr[at[i]:at[i] + count[i]] for i in order]
+        return np.concatenate(parts) if parts else arr[:0].copy()
+
+    size = eps.size.astype(np.int64)
+    laid = Episodes(prompt_len=eps.prompt_len, size=eps.size, model_tokens=eps.model_tokens, advantage=eps.advantage,
+                    reward=eps.reward, has_versions=eps.has_versions, start=start, rstart=rstart,
+                    ids=gather(eps.ids, eps.start, size), response_mask=gather(eps.response_mask, eps.rstart, resp),
+                    logprobs=gather(eps.logprobs, eps.rstart, resp), versions=gather(eps.versions, eps.rstart, resp))
+    # the first episode with a model token of unknown weight version (algo.proximal=interpolate refuses it)
+    bad = np.concatenate([[0], np.cumsum((eps.response_mask > 0) & (eps.versions < 0), dtype=np.int64)])
+    unknown = (eps.has_versions == 0) | (bad[eps.rstart + resp] > bad[eps.rstart]) if n else np.zeros(0, bool)
+    return TrainBatch(step=step, layout=layout, episodes=laid, uid=prepared.uids, ok_rewards=prepared.ok_rewards,
+                      ok_groups=prepared.ok_groups, ok_lengths=prepared.ok_lengths, ok_episode=prepared.ok_episode,
+                      minis=[list(m) for m in minis], plan=plan, metrics=metrics,
+                      unversioned=int(np.argmax(unknown)) if unknown.any() else -1, ranks=ranks)
 
 
 __all__ = ["prepare_batch"]

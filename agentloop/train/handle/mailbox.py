@@ -8,9 +8,9 @@ Both sides only need a shared filesystem, so they may run on different machines.
                                                resumed_step, data_position, world_size, layout (how it
                                                lays out micro-batches), heartbeat (rewritten every few
                                                seconds by a thread)
-    RUN_DIR/mailbox/step-000001/batch.bin      orchestrator: step 1's batch as the learner trains it
-                                               (agentloop.train.batch.format.TrainBatch, binary)
-    RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after batch.bin: {"step", "num_episodes",
+    RUN_DIR/mailbox/step-000001/batch.safetensors   orchestrator: step 1's batch as the learner trains it
+                                               (agentloop.train.batch.format: each rank reads its own rows)
+    RUN_DIR/mailbox/step-000001/batch.ready    orchestrator, after the batch: {"step", "num_episodes",
                                                "bytes", "data_position", "time"}
     RUN_DIR/mailbox/step-000001/sync.request   learner (weight_sync tensor|nccl), after training:
                                                {"step", "method", "time"}: pause the servers for me
@@ -65,7 +65,7 @@ Map:
     MailboxPaths      where everything lives
     MailboxClient     orchestrator side (blocking calls; FileLearner runs them off the event loop)
     LearnerMailbox    learner rank 0 side, a handle.LearnerInbox (the loop itself is `agentloop.train.trainer.serve`)
-    read_batch        a submitted step's batch (TrainBatch), for tests and inspection
+    read_batch        a submitted step's batch, whole (TrainBatch), for tests and inspection
 The errors are the handle's (MailboxError = LearnerError, MailboxTimeout = LearnerTimeout, LearnerDiedError,
 LearnerFailedError), as are UpdateResult and SyncRequest.
 """
@@ -82,7 +82,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentloop.train.batch.format import BatchLayout, TrainBatch
+from agentloop.train.batch.format import BatchLayout, TrainBatch, check_batch
 from agentloop.train.batch.prepare import prepare_batch
 from agentloop.train.handle.protocol import (
     LearnerDiedError,
@@ -140,7 +140,7 @@ class MailboxPaths:
         return self.mailbox / f"step-{step:06d}"
 
     def batch(self, step: int) -> Path:
-        return self.step_dir(step) / "batch.bin"
+        return self.step_dir(step) / "batch.safetensors"
 
     def ready(self, step: int) -> Path:
         return self.step_dir(step) / "batch.ready"
@@ -183,12 +183,13 @@ class MailboxClient:
         return self.paths.ready(step).exists()
 
     def submit(self, step: int, batch: TrainBatch, *, data_position: Any = None) -> Path:
-        """Write step's batch (batch.bin), then its batch.ready marker. Re-submitting a ready step is a no-op."""
+        """Write step's batch (batch.safetensors), then its batch.ready marker. Re-submitting a ready step is a
+        no-op."""
         d = self.paths.step_dir(step)
         if self.paths.ready(step).exists():
             return d
         d.mkdir(parents=True, exist_ok=True)
-        data = batch.encode()
+        data = batch.to_bytes()
         atomic_write_bytes(self.paths.batch(step), data)
         atomic_write_json(self.paths.ready(step), {"step": step, "num_episodes": batch.num_episodes,
                                                    "bytes": len(data), "data_position": data_position,
@@ -399,12 +400,21 @@ class LearnerMailbox(LearnerInbox):
     def batch_ready(self, step: int) -> bool:
         return self.paths.ready(step).exists()
 
-    def read_batch(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+    def checked_batch(self, step: int) -> tuple[Path, dict[str, Any]]:
+        """Step's batch file, its size and header checked (each rank then reads its own share of it), and the
+        batch.ready marker's fields; MailboxError / BatchFormatError when it cannot be read."""
         meta = _read_json(self.paths.ready(step)) or {}
-        data = self.paths.batch(step).read_bytes()
-        if "bytes" in meta and meta["bytes"] != len(data):
-            raise MailboxError(f"step {step}: batch.ready says {meta['bytes']} bytes, batch.bin has {len(data)}")
-        return TrainBatch.decode(data), meta
+        path = self.paths.batch(step)
+        size = path.stat().st_size
+        if "bytes" in meta and meta["bytes"] != size:
+            raise MailboxError(f"step {step}: batch.ready says {meta['bytes']} bytes, {path.name} has {size}")
+        check_batch(path)
+        return path, meta
+
+    def read_batch(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+        """Step's batch, whole, and the batch.ready marker's fields (tests, inspection)."""
+        path, meta = self.checked_batch(step)
+        return TrainBatch.load(path), meta
 
     def write_done(self, step: int, weights_dir: Path | None, metrics: dict[str, float], *,
                    pushed: bool = False) -> None:
@@ -463,11 +473,11 @@ class LearnerMailbox(LearnerInbox):
     def poll(self, step: int) -> tuple[Any, ...] | None:
         if self.batch_ready(step):
             try:
-                batch, meta = self.read_batch(step)
+                path, meta = self.checked_batch(step)
             except Exception as e:  # noqa: BLE001 - unreadable batch: every rank stops, the orchestrator is told
                 self.write_failed(step, e)
                 return ("bad_batch", f"{type(e).__name__}: {e}")
-            return ("batch", batch, meta)
+            return ("batch", str(path), meta)
         stop = self.stop_request()
         return None if stop is None else ("stop", bool(stop.get("final")))
 
@@ -487,8 +497,8 @@ class LearnerMailbox(LearnerInbox):
 
 
 def read_batch(run_dir: str | Path, step: int) -> TrainBatch:
-    """The batch submitted for `step` in run_dir's mailbox."""
-    return TrainBatch.decode(MailboxPaths(Path(run_dir)).batch(step).read_bytes())
+    """The batch submitted for `step` in run_dir's mailbox, whole."""
+    return TrainBatch.load(MailboxPaths(Path(run_dir)).batch(step))
 
 
 __all__ = [

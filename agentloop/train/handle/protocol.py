@@ -220,8 +220,9 @@ class LearnerInbox(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, step: int) -> tuple[Any, ...] | None:
-        """The next message: ("batch", TrainBatch, meta) for `step`, ("bad_batch", why) when step's batch cannot
-        be read, ("stop", final), or None (nothing yet)."""
+        """The next message: ("batch", source, meta) for `step` (source: the batch file's path, or its bytes, with
+        its header checked: every rank reads its own share, agentloop.train.batch.format.RankBatch.read),
+        ("bad_batch", why) when step's batch cannot be read, ("stop", final), or None (nothing yet)."""
 
     @abc.abstractmethod
     def done(self, step: int, weights_dir: str | None, metrics: dict[str, float], *, pushed: bool) -> None:

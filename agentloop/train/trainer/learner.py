@@ -423,8 +423,9 @@ class Learner:
         return self.train_batch(prepare_batch(list(records), self.algo, self.layout(), step))
 
     def train_batch(self, batch) -> dict[str, float]:
-        """One training step on a prepared batch (agentloop.train.batch.format.TrainBatch; every rank passes the
-        same one, each collates its own micro-batches); returns metrics.
+        """One training step on a prepared batch: this rank's share of it (agentloop.train.batch.format.RankBatch,
+        read from the batch file), or a whole TrainBatch (every rank passes the same one and takes its share);
+        returns metrics.
 
         The batch holds the episodes that enter the loss with their advantages and every rank's micro-batches;
         then `ppo_epochs` x `mini_batches` optimizer steps. Metric names: batch/*, reward/*, adv/*, actor/*,
@@ -435,31 +436,35 @@ class Learner:
         import torch
         import torch.distributed as dist
 
+        from agentloop.train.batch.format import TrainBatch
         from agentloop.train.trainer.collate import kl_reward_advantages
         from agentloop.train.trainer.losses import Stats, interpolate_proximal
 
         t0 = time.perf_counter()
+        if isinstance(batch, TrainBatch):
+            batch = batch.for_rank(self.rank)
+        if batch.rank != self.rank:
+            raise ValueError(f"rank {self.rank} was handed rank {batch.rank}'s share of step {batch.step}")
         algo, cfg = self.algo, self.cfg
         step = batch.step
         mine = self.layout()
         if (batch.layout.world, batch.layout.layout) != (mine.world, mine.layout):
             raise ValueError(f"step {step}: the batch was planned for {batch.layout.world} rank(s) of "
                              f"{batch.layout.layout} rows; this learner runs {mine.world} of {mine.layout} rows")
-        eps = batch.episodes()
+        eps = batch.episodes
+        n = batch.num_episodes
         lr = lr_at(step, cfg)
         metrics: dict[str, float] = dict(batch.metrics)
         metrics["actor/lr"] = lr
-        if not eps:
+        if not n:
             self.step = step
             metrics["actor/skipped"] = 1.0
             return metrics
         interpolate = algo.old_logprobs == "recompute" and algo.proximal == "interpolate"
-        if interpolate:
-            for i, e in enumerate(eps):
-                if e.versions is None or any(m and v < 0 for m, v in zip(e.response_mask, e.versions)):
-                    raise ValueError(f"algo.proximal=interpolate needs the weight version of every model token "
-                                     f"(token_versions, from asynchronous rollouts); episode {i} of step {step} "
-                                     "has none or some unknown")
+        if interpolate and batch.unversioned >= 0:
+            raise ValueError(f"algo.proximal=interpolate needs the weight version of every model token "
+                             f"(token_versions, from asynchronous rollouts); episode {batch.unversioned} of step "
+                             f"{step} has none or some unknown")
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         minis = batch.minis
@@ -490,10 +495,10 @@ class Learner:
                     dist.all_reduce(t)
 
             beta = self.kl_ctrl.value
-            vm, current_kl = apply_verl_order(plans, minis, batch.prepared(eps), algo, beta, all_reduce=reduce_sum)
+            vm, current_kl = apply_verl_order(plans, minis, batch.prepared(), algo, beta, all_reduce=reduce_sum)
             metrics.update(vm)
             if algo.use_kl_in_reward:
-                self.kl_ctrl.update(current_kl, len(eps))
+                self.kl_ctrl.update(current_kl, n)
         if old_pass:
             # FSDP2 keeps the root's parameters (embeddings, tied lm_head, final norm) unsharded after a
             # forward; ones gathered under no_grad then serve the loss pass, and the tied weight's
@@ -587,7 +592,7 @@ class Learner:
         metrics["time/prepare_s"] = t1 - t0
         metrics["time/logprobs_s"] = t2 - t1
         metrics["time/update_s"] = t3 - t2
-        episode_tokens = sum(e.length for e in eps)
+        episode_tokens = batch.episode_tokens
         metrics["perf/tokens_per_s"] = episode_tokens * cfg.ppo_epochs / max(t3 - t0, 1e-9)
         if self.device_type == "cuda":
             metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -3,7 +3,9 @@ step's batch, checkpoints when due and publishes the weights through the weight 
 end of a run saves what the last step lacks.
 
 Map:
-    serve            the loop (the inbox is the file mailbox, or the Ray learner's: agentloop.cluster); an exit code
+    serve            the loop (the inbox is the file mailbox, or the Ray learner's: agentloop.cluster); an exit code.
+                     Rank 0 broadcasts where the step's batch is (its file, or its bytes), each rank reads its own
+                     share (agentloop.train.batch.format.RankBatch)
     plan_final_save  what the end of a run still writes (pure); save_final writes it, for every sync path
     EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT   serve's exit codes (the learner process's)
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentloop.train.batch.format import RankBatch
 from agentloop.train.config import AlgoConfig, LearnerConfig
 from agentloop.train.trainer.distributed import broadcast
 from agentloop.train.trainer.learner import Learner
@@ -161,9 +164,12 @@ def serve(
                                  next_step, cfg.batch_timeout_s, EXIT_TIMEOUT)
                 code = EXIT_TIMEOUT
                 break
-            _, batch, meta = msg
+            _, source, meta = msg
             step = next_step
             try:
+                t_read = time.perf_counter()
+                batch = RankBatch.read(source, rank)  # this rank's rows only (the file's, or the bytes handed over)
+                read_s = time.perf_counter() - t_read
                 if batch.step != step:
                     raise ValueError(f"the batch handed over for step {step} is step {batch.step}'s")
                 if box is not None:
@@ -171,6 +177,7 @@ def serve(
                     logger.info("step %d: training on %d episodes", step, batch.num_episodes)
                 t_step = time.perf_counter()
                 metrics = learner.train_batch(batch)
+                metrics["time/batch_read_s"] = read_s
                 # checkpoint_every None (null) = never
                 ckpt_due = cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0
                 data_position = meta.get("data_position")

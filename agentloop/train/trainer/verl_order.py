@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from agentloop.train.config import AlgoConfig
@@ -133,7 +134,7 @@ def apply_verl_order(
         sums[1].index_add_(0, ids, seq_sum(mb.loss_mask.to(f64), mb.seq_ids, ns))
     all_reduce(sums)
     kl_sum, kept = sums[0].cpu(), sums[1].cpu()
-    model_tokens = torch.tensor([float(e.model_tokens) for e in eps], dtype=f64)
+    model_tokens = torch.from_numpy(eps.model_tokens.astype(np.float64))
     metrics: dict[str, float] = {}
     current_kl = 0.0
     if kl_on:
@@ -160,7 +161,7 @@ def apply_verl_order(
         g: dict[int, torch.Tensor] = {}
         mom = torch.zeros(3, dtype=f64, device=device)
         for mb in mbs:
-            reward = torch.tensor([eps[i].reward for i in mb.episode_ids], dtype=torch.float32, device=device)
+            reward = torch.from_numpy(eps.reward[mb.episode_ids]).to(device=device, dtype=torch.float32)
             ret = seq_broadcast(reward, mb.seq_ids)
             if kl_on:
                 ret = ret - beta * episode_return(mb, kld[id(mb)] * mb.loss_mask.to(torch.float32))
@@ -175,17 +176,18 @@ def apply_verl_order(
             mb.advantages = ((g[id(mb)] - mean) * scale * mb.loss_mask).to(mb.advantages.dtype)
         return metrics, current_kl
 
-    # grpo, rloo and registered per-episode estimators: the penalised episode reward, the same groups
-    rewards = prepared.ok_rewards.clone()
-    pos = torch.tensor(prepared.ok_episode, dtype=torch.int64)
+    # grpo, rloo and registered per-episode estimators (numpy, agentloop.train.batch.advantages): the penalised
+    # episode reward, the same groups
+    rewards = np.array(prepared.ok_rewards, dtype=np.float64)
+    pos = np.asarray(prepared.ok_episode, dtype=np.int64)
     has = pos >= 0
     if kl_on:
-        rewards[has] = rewards[has] - beta * kl_sum[pos[has]]
-    lengths = prepared.ok_lengths.clone()
-    lengths[has] = kept[pos[has]].round().to(lengths.dtype)
+        rewards[has] = rewards[has] - beta * kl_sum.numpy()[pos[has]]
+    lengths = np.array(prepared.ok_lengths, dtype=np.int64)
+    lengths[has] = np.round(kept.numpy()[pos[has]]).astype(np.int64)
     adv = compute_advantages(rewards, prepared.ok_groups, lengths, algo)
     per_ep = torch.zeros(n, dtype=f64)
-    per_ep[pos[has]] = adv.values[has]
+    per_ep[torch.from_numpy(pos[has])] = torch.from_numpy(adv.values[has])
     dev_adv = per_ep.to(device=device, dtype=torch.float32)
     for mb in mbs:
         ids = torch.tensor(mb.episode_ids, dtype=torch.int64, device=device)

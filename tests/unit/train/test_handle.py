@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agentloop.train.batch.format import BatchLayout
+from agentloop.train.batch.format import BatchLayout, RankBatch
 from agentloop.train.batch.prepare import prepare_batch
 from agentloop.train.config import AlgoConfig
 from agentloop.train.handle.mailbox import LearnerMailbox
@@ -50,7 +50,8 @@ def scripted_learner(inbox: LearnerInbox, weights_root: Path, *, push: bool = Fa
                 if msg[1]:
                     inbox.final(step - 1, str(weights_root / f"step-{step - 1:06d}"), "/ck/last")
                 return
-            _, batch, meta = msg
+            _, source, meta = msg
+            batch = RankBatch.read(source, 0)  # the batch's file or bytes: each rank reads its own share
             if seen is not None:
                 seen.append((batch.step, batch.num_episodes, meta.get("data_position")))
             if step == fail_at:

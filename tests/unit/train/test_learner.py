@@ -380,7 +380,7 @@ def test_mailbox_protocol_and_errors(tmp_path):
     with pytest.raises(LearnerDiedError, match="code 3"):
         MailboxClient(tmp_path, process=proc).wait_update(3, 5.0)
     # a torn batch is detected
-    (tmp_path / "mailbox" / "step-000001" / "batch.bin").write_bytes(b"ALTB torn")
+    (tmp_path / "mailbox" / "step-000001" / "batch.safetensors").write_bytes(b"torn")
     with pytest.raises(MailboxError, match="batch.ready says"):
         box.read_batch(1)
 
