@@ -108,7 +108,6 @@ def test_infinite_loop_times_out(limits):
     r = run("while True: pass", limits.model_copy(update={"timeout_s": 1.0, "cpu_s": 5}))
     assert r.reason == "timeout" and r.timed_out
     assert r.summary(limits.model_copy(update={"timeout_s": 1.0})).startswith("timeout after 1s")
-    assert r.wall_s < 3
 
 
 def test_cpu_limit(limits):
