@@ -348,8 +348,8 @@ def _data_parsers(sub: Any) -> None:
     d = sub.add_parser("data", help="prepare recipe data from the data sets' own files; check verl data files")
     dsub = d.add_subparsers(dest="data", required=True)
     pp = dsub.add_parser("prepare", help="the data set's own rows -> verl rows for a recipe")
-    pp.add_argument("recipe", choices=["gsm8k", "countdown", "search_r1", "code"])
-    src = pp.add_mutually_exclusive_group(required=True)
+    pp.add_argument("recipe", choices=["gsm8k", "countdown", "search_r1", "code", "reasoning_gym"])
+    src = pp.add_mutually_exclusive_group()
     src.add_argument("--input", metavar="FILE", help="the data set's own .parquet/.jsonl file")
     src.add_argument("--generate", type=int, metavar="N", help="countdown: N puzzles from the built-in generator")
     src.add_argument("--builtin", metavar="SET", help="code: a built-in set (code, code_stdio)")
@@ -361,9 +361,22 @@ def _data_parsers(sub: Any) -> None:
     pp.add_argument("--limit", type=int, metavar="N", help="convert at most N input rows")
     pp.add_argument("--template", default="base", choices=["base", "qwen-instruct"],
                     help="countdown: TinyZero's prompt template")
-    pp.add_argument("--seed", type=int, default=0, help="countdown --generate: generator seed")
+    pp.add_argument("--seed", type=int, default=0, help="countdown --generate, reasoning_gym: generator seed")
     pp.add_argument("--data-source", metavar="NAME",
                     help="search_r1: data_source of every row (nq, hotpotqa, ...; default: the rows' own column)")
+    pp.add_argument("--task", metavar="NAME[,NAME...]",
+                    help="reasoning_gym: the reasoning-gym dataset(s) to generate (basic_arithmetic, leg_counting, ...)")
+    pp.add_argument("--size", type=int, default=1000, metavar="N", help="reasoning_gym: entries per task")
+    pp.add_argument("--config", metavar="JSON", dest="task_config",
+                    help='reasoning_gym: dataset config per task, e.g. \'{"basic_arithmetic": {"max_terms": 2}}\'')
+    pp.add_argument("--system-prompt", default="default", metavar="NAME|TEXT",
+                    help="reasoning_gym: one of reasoning-gym's SYSTEM_PROMPTS (default, DeepSeekZero, simple, "
+                         "direct, chain_of_draft), any other text as is, or '' for none")
+    pp.add_argument("--answer-format", default="answer_tag", choices=["answer_tag", "hashes"],
+                    help="reasoning_gym: how the reward reads the answer: reasoning-gym's <answer> tags (its own "
+                         "extract_answer), or the number after the last `####`")
+    pp.add_argument("--tools", metavar="NAME[,NAME...]",
+                    help="reasoning_gym: tools every row offers (tools_kwargs), e.g. calculator for tool_agent_loop")
     ck = dsub.add_parser("check", help="validate a verl .jsonl/.parquet file, row by row")
     ck.add_argument("file", metavar="FILE")
     ck.add_argument("--prompt-key", default="prompt", help="column holding the chat messages")
@@ -389,7 +402,21 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from agentloop.data.prepare import code_rows_for_parquet
 
     split = args.split or ("test" if args.input and "test" in Path(args.input).name.lower() else "train")
-    if args.generate is not None:
+    if args.recipe == "reasoning_gym":
+        if args.input or args.generate is not None or args.builtin:
+            raise ConfigError("reasoning_gym generates its rows: give --task NAME[,NAME...] --size N --seed S, "
+                              "not --input/--generate/--builtin")
+        if not args.task:
+            raise ConfigError("reasoning_gym needs --task NAME[,NAME...] (a reasoning-gym dataset name)")
+        from agentloop.data.reasoning_gym import parse_task_config, reasoning_gym_rows
+
+        rows = reasoning_gym_rows([t.strip() for t in args.task.split(",") if t.strip()], args.size, args.seed,
+                                  split=split, config=parse_task_config(args.task_config),
+                                  system_prompt=args.system_prompt, answer_format=args.answer_format,
+                                  tools=[t.strip() for t in args.tools.split(",")] if args.tools else None)
+    elif not (args.input or args.generate is not None or args.builtin):
+        raise ConfigError(f"{args.recipe} needs one of --input FILE, --generate N, --builtin SET")
+    elif args.generate is not None:
         if args.recipe != "countdown":
             raise ConfigError("--generate works for countdown only")
         rows = generate_countdown(args.generate, seed=args.seed, split=split, template=args.template)

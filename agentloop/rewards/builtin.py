@@ -19,6 +19,8 @@ rules), so curves compare; our own, more lenient readings live under `agentloop/
                                                   `eq = target` ok, malformed 0)
     agentloop/search_qa                         qa.compute_score (last <answer>, response only) loop
     agentloop/code                              code.compute_score (tests in the sandbox)       loop
+    reasoning_gym                               reasoning_gym.compute_score (the task's own     loop
+                                                  score_answer, reasoning-gym's extraction)
     exact_match                                 exact.compute_score                             loop
 
 `text` is the reward's `solution_view` (agentloop.rewards.scoring). Which to choose: the project's name
@@ -35,6 +37,7 @@ from agentloop.rewards import (
     exact,
     gsm8k,
     qa,
+    reasoning_gym,
     search_r1_qa,
     tinyzero_countdown,
     verl_gsm8k,
@@ -63,6 +66,7 @@ BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "agentloop/search_qa": qa.compute_score,
     "agentloop/code": code.compute_score,
     "exact_match": exact.compute_score,
+    "reasoning_gym": reasoning_gym.compute_score,
 }
 
 
