@@ -61,6 +61,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
     p.add_argument("--plugin", action="append", default=[], metavar="P",
                    help="python file or module to import first (registers loops/tools/rewards); repeatable")
+    p.add_argument("--env", metavar="LIB:SPEC",
+                   help="an environment library's environment as the loop and rows: verifiers:MODULE[:{kwargs}], "
+                        "reasoning_gym:TASK[,TASK...], textarena:ENV_ID, openenv:URL (docs/environments.md)")
     p.add_argument("--data", metavar="FILE",
                    help="JSONL or Parquet file in verl row format (data.path): the rows rolled out, or trained on")
     p.add_argument("-n", "--n-samples", type=int, metavar="N", help="episodes per prompt")
@@ -93,6 +96,15 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     if args.run_dir:
         out.append("run_dir=" + json.dumps(args.run_dir))
     return out
+
+
+def _env_overrides(args: argparse.Namespace) -> list[str]:
+    """What `--env LIB:SPEC` stands for (before the user's own overrides, which win)."""
+    if not getattr(args, "env", None):
+        return []
+    from agentloop.rollout.env_spec import env_overrides
+
+    return env_overrides(args.env)
 
 
 TRAIN_PRESET = "presets/train_tiny.yaml"
@@ -133,7 +145,8 @@ def build_config(args: argparse.Namespace) -> Any:
         # an existing run goes on with its own config: the values given now are overrides of it (no preset)
         from agentloop.train.resume import resume_config
 
-        cfg, changes = resume_config(resumed, args.config, list(args.overrides) + _flag_overrides(args),
+        cfg, changes = resume_config(resumed, args.config, _env_overrides(args) + list(args.overrides) +
+                                     _flag_overrides(args),
                                      force=args.force, force_settings=args.force_settings,
                                      force_data=args.force_data)
         said = "; changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes) if changes else ""
@@ -147,7 +160,13 @@ def build_config(args: argparse.Namespace) -> Any:
     main_job = uses_main_preset(args)
     if main_job:
         config = Path(__file__).parent / ROLLOUT_PRESET
-    cfg = load_config(config, list(args.overrides) + _flag_overrides(args))
+    cfg = load_config(config, _env_overrides(args) + list(args.overrides) + _flag_overrides(args))
+    if getattr(args, "env", None) and args.command in ("rollout", "train"):
+        from agentloop.rollout.env_spec import prepare_env_rows
+
+        said = prepare_env_rows(cfg)
+        if said:
+            print(f"agentloop {args.command}: {said}", file=sys.stderr, flush=True)
     if main_job and cfg.model.path is None:
         # The preset's model: the tiny model's shipped supervised warm start (installed into the cache once).
         from agentloop.models.warmstart import ensure_warm_model
