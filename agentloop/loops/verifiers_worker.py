@@ -5,13 +5,16 @@ verifiers and its dependencies.
     python verifiers_worker.py export --env SPEC --args JSON --split train|eval [--n N] --out FILE
         the environment's dataset (or eval_dataset) as verl rows (JSON lines): its prompt messages as the
         environment formats them (system prompt, few-shot), its answer as the ground truth, and answer, info, task
-        and example_id as JSON in extra_info["verifiers"]; data_source "verifiers/<env id>"
+        and example_id as JSON in extra_info["verifiers"]; data_source "verifiers", ability the environment's id
     python verifiers_worker.py serve --env SPEC --args JSON [--sampling-args JSON]
         a long-lived worker of agentloop's protocol (agentloop/loops/agent_workers.py): per episode, the
         environment's own `run_rollout(input, client, "policy", sampling_args)` (its turns, tools, stop conditions,
         then its rubric) against that episode's gateway session, and {"reward": r, "metrics": {...}} on
-        AGENTLOOP_RESULT_FD; a rollout that ended in an error (verifiers keeps it in state["error"]), a rubric that
-        gave no reward, or an exception is {"error": "..."} with verifiers' own message
+        AGENTLOOP_RESULT_FD. A rollout that ended in verifiers' error state for the model's doing (its ModelError:
+        an empty or invalid response) is scored as verifiers' own evaluation scores it (the rubric's reward, the
+        error named in the result); any other error state (ToolError, InfraError, ...), a rubric whose reward
+        function raised or gave no number (verifiers logs it and scores 0.0), or an exception is {"error": "..."}
+        with verifiers' own message
 
 SPEC: an installed environment module (`vf-my-env`, `my_env`: verifiers' own load_environment resolves it) or a
 path to a .py file defining `load_environment(**kwargs)`.
@@ -19,13 +22,26 @@ path to a .py file defining `load_environment(**kwargs)`.
 
 import argparse
 import asyncio
+import contextvars
 import importlib.util
 import json
+import logging
 import math
 import os
 import ssl
 import sys
 import traceback
+
+_EPISODE_ERRORS = contextvars.ContextVar("verifiers_episode_errors", default=None)
+"""The error log lines verifiers writes while an episode's task runs (its rubric logs a reward function that raised or
+returned no number, and scores it 0.0): the worker makes such an episode an error record instead."""
+
+
+class _EpisodeErrors(logging.Handler):
+    def emit(self, record):
+        errors = _EPISODE_ERRORS.get()
+        if errors is not None and record.levelno >= logging.ERROR:
+            errors.append(record.getMessage())
 
 
 def load_env(spec, args):
@@ -74,8 +90,9 @@ def export(ns):
             messages = [{"role": m["role"], "content": m.get("content") or ""} for m in prompt]
             info = row.get("info") or {}
             keep = {"answer": row.get("answer", ""), "info": info if isinstance(info, str) else json.dumps(info),
-                    "task": row.get("task", ""), "example_id": row.get("example_id", i)}
-            f.write(json.dumps({"data_source": f"verifiers/{env_id}", "prompt": messages, "ability": "verifiers",
+                    "task": row.get("task") if isinstance(row.get("task"), dict) else None,
+                    "example_id": row.get("example_id", i)}
+            f.write(json.dumps({"data_source": "verifiers", "prompt": messages, "ability": env_id,
                                 "reward_model": {"style": "verifiers", "ground_truth": str(row.get("answer", ""))},
                                 "extra_info": {"split": ns.split, "index": i, "verifiers": json.dumps(keep)}}) + "\n")
             count += 1
@@ -86,8 +103,12 @@ class Worker:
     def __init__(self, env, sampling_args):
         from openai import AsyncOpenAI  # noqa: F401 - imported once, here
 
+        import verifiers as vf
+
         self.env = env
         self.sampling_args = sampling_args
+        self.model_errors = {c.__name__ for c in _subclasses(vf.ModelError)}
+        logging.getLogger("verifiers").addHandler(_EpisodeErrors())
         self.ssl = ssl.create_default_context()
         self.results = os.fdopen(int(os.environ["AGENTLOOP_RESULT_FD"]), "w")
         os.set_inheritable(self.results.fileno(), False)
@@ -103,6 +124,8 @@ class Worker:
 
         task = msg["task"]
         out = {"id": msg["id"], "result": None}
+        errors = []
+        _EPISODE_ERRORS.set(errors)
         try:
             raw = (task.get("extra_info") or {}).get("verifiers")
             if raw is None:
@@ -111,7 +134,9 @@ class Worker:
             info = row.get("info") or {}
             rollout_input = {"prompt": task["messages"], "answer": row.get("answer", ""),
                              "info": json.loads(info) if isinstance(info, str) and info else info,
-                             "task": row.get("task", ""), "example_id": row.get("example_id", task.get("index", 0))}
+                             "example_id": row.get("example_id", task.get("index", 0))}
+            if row.get("task"):  # a task payload (a JSON object) when the dataset has one
+                rollout_input["task"] = row["task"]
             http = httpx.AsyncClient(verify=self.ssl, timeout=None)
             async with AsyncOpenAI(base_url=msg["openai_base_url"], api_key=msg["api_key"], max_retries=0,
                                    http_client=http) as oai:
@@ -119,7 +144,10 @@ class Worker:
                                                     dict(self.sampling_args))
             error = output.get("error")
             reward = output.get("reward")
-            if error:
+            rubric = [e for e in errors if e.startswith("Error calling reward function")]
+            if rubric:  # verifiers would score it 0.0: a reward function that raised or gave no number
+                out = {"id": msg["id"], "error": f"verifiers rubric: {rubric[0]}"}
+            elif error and _error_name(error) not in self.model_errors:
                 out = {"id": msg["id"], "error": f"verifiers rollout error: {_error_text(error)}"}
             elif reward is None or not isinstance(reward, (int, float)) or isinstance(reward, bool) \
                     or not math.isfinite(reward):
@@ -128,8 +156,11 @@ class Worker:
             else:
                 metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+                if error:  # the model's fault (verifiers' ModelError): scored as verifiers' evaluation scores it
+                    metrics["verifiers_model_error"] = 1.0
                 out["result"] = {"reward": float(reward), "metrics": metrics,
-                                 "stop_condition": output.get("stop_condition")}
+                                 "stop_condition": output.get("stop_condition"),
+                                 "verifiers_error": _error_text(error) if error else None}
         except asyncio.CancelledError:
             return  # agentloop cancelled it (its deadline passed): no answer is expected
         except Exception as e:  # noqa: BLE001 - the episode's failure, reported to agentloop with verifiers' words
@@ -151,6 +182,17 @@ class Worker:
                 running[msg["id"]].cancel()
         for task in list(running.values()):  # stdin closed: agentloop is done with this worker
             task.cancel()
+
+
+def _subclasses(cls):
+    out = {cls}
+    for sub in cls.__subclasses__():
+        out |= _subclasses(sub)
+    return out
+
+
+def _error_name(error):
+    return error.get("error") if isinstance(error, dict) else type(error).__name__
 
 
 def _error_text(error):

@@ -21,6 +21,8 @@ rules), so curves compare; our own, more lenient readings live under `agentloop/
     agentloop/code                              code.compute_score (tests in the sandbox)       loop
     reasoning_gym                               reasoning_gym.compute_score (the task's own     loop
                                                   score_answer, reasoning-gym's extraction)
+    verifiers, textarena, openenv               environment.compute_score: the environment      -
+                                                  loop sets the reward (rubric, game, server)
     exact_match                                 exact.compute_score                             loop
 
 `text` is the reward's `solution_view` (agentloop.rewards.scoring). Which to choose: the project's name
@@ -34,6 +36,7 @@ from agentloop.rewards import (
     boxed,
     code,
     countdown,
+    environment,
     exact,
     gsm8k,
     qa,
@@ -67,6 +70,7 @@ BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "agentloop/code": code.compute_score,
     "exact_match": exact.compute_score,
     "reasoning_gym": reasoning_gym.compute_score,
+    **{name: environment.compute_score for name in environment.LOOPS},
 }
 
 

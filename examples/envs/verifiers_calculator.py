@@ -68,7 +68,11 @@ def correct_answer(completion, answer) -> float:
 
 
 def load_environment(num_train_examples: int = 4096, num_eval_examples: int = 64, seed: int = 12345,
-                     max_turns: int = 3) -> vf.Environment:
+                     max_turns: int = 3, tools: bool = True) -> vf.Environment:
+    if not tools:  # the same task without the tool: a SingleTurnEnv, the answer in the model's one turn
+        return vf.SingleTurnEnv(dataset=problems(num_train_examples, seed),
+                                eval_dataset=problems(num_eval_examples, seed + 1), system_prompt=SYSTEM,
+                                rubric=vf.Rubric(funcs=[correct_answer]))
     env = vf.ToolEnv(
         dataset=problems(num_train_examples, seed),
         eval_dataset=problems(num_eval_examples, seed + 1),
