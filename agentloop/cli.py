@@ -323,6 +323,12 @@ def make_parser() -> argparse.ArgumentParser:
     btr.set_defaults(server_url=[], model=None, loop=None, data=None, n_samples=None, seed=None, run_dir=None,
                      plugin=[])
     _data_parsers(sub)
+    ev = sub.add_parser("envs", help="environment libraries run in virtualenvs of their own (verifiers)")
+    evsub = ev.add_subparsers(dest="envs", required=True)
+    es = evsub.add_parser("setup", help="build (once) the virtualenv an environment library runs in")
+    es.add_argument("library", choices=["verifiers"])
+    es.add_argument("--extra", action="append", default=[], metavar="PKG",
+                    help="also install PKG there (your environment's package, e.g. vf-my-env or ./my_env); repeatable")
     rv = sub.add_parser("retriever", help="retrieval service for Search-R1-style search")
     rvsub = rv.add_subparsers(dest="retriever", required=True)
     rs = rvsub.add_parser("serve", help="BM25 over a JSONL corpus behind Search-R1's POST /retrieve API")
@@ -570,6 +576,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.models.modelzoo import ensure_tiny_model
 
         print(ensure_tiny_model())
+        return 0
+    if args.command == "envs":
+        from agentloop.loops.verifiers_env import VERIFIERS_PIN, setup_venv
+
+        path = setup_venv(args.extra)
+        print(f"agentloop envs setup verifiers: {path} ({VERIFIERS_PIN}{', ' + ', '.join(args.extra) if args.extra else ''}"
+              f"); its Python: {path / 'bin' / 'python'}")
         return 0
     if args.command == "loops":
         from agentloop.loops import list_agent_loops, load_plugin
