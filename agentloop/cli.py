@@ -390,7 +390,7 @@ def _data_parsers(sub: Any) -> None:
     pp.add_argument("--data-source", metavar="NAME",
                     help="search_r1: data_source of every row (nq, hotpotqa, ...; default: the rows' own column)")
     pp.add_argument("--task", metavar="NAME[,NAME...]",
-                    help="reasoning_gym: the reasoning-gym dataset(s) to generate (basic_arithmetic, leg_counting, ...)")
+                    help="reasoning_gym: the reasoning-gym dataset(s) to generate (basic_arithmetic, gcd, ...)")
     pp.add_argument("--size", type=int, default=1000, metavar="N", help="reasoning_gym: entries per task")
     pp.add_argument("--config", metavar="JSON", dest="task_config",
                     help='reasoning_gym: dataset config per task, e.g. \'{"basic_arithmetic": {"max_terms": 2}}\'')
@@ -581,8 +581,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.loops.verifiers_env import VERIFIERS_PIN, setup_venv
 
         path = setup_venv(args.extra)
-        print(f"agentloop envs setup verifiers: {path} ({VERIFIERS_PIN}{', ' + ', '.join(args.extra) if args.extra else ''}"
-              f"); its Python: {path / 'bin' / 'python'}")
+        extra = ", " + ", ".join(args.extra) if args.extra else ""
+        print(f"agentloop envs setup verifiers: {path} ({VERIFIERS_PIN}{extra}); its Python: {path / 'bin' / 'python'}")
         return 0
     if args.command == "loops":
         from agentloop.loops import list_agent_loops, load_plugin

@@ -39,9 +39,9 @@ from pydantic import (
     model_validator,
 )
 
+from agentloop.envs_config import EnvsConfig
 from agentloop.errors import ConfigError
 from agentloop.gateway.config import AgentConfig, GatewayConfig
-from agentloop.envs_config import EnvsConfig
 from agentloop.rewards.config import CodeRewardConfig, ToolRewardConfig
 from agentloop.tools.config import ToolsConfig
 from agentloop.train.config import AlgoConfig, LearnerConfig

@@ -34,8 +34,11 @@ sys.path.insert(0, str(ROOT))
 from agentloop.bench.scripted_server import ScriptedProcess, ScriptedSpec  # noqa: E402
 from agentloop.config import load_config  # noqa: E402
 from agentloop.data import rows_to_samples  # noqa: E402
-from agentloop.loops import get_agent_loop  # noqa: E402
-from agentloop.loops import openenv_env, verifiers_env  # noqa: E402
+from agentloop.loops import (  # noqa: E402
+    get_agent_loop,
+    openenv_env,
+    verifiers_env,
+)
 from agentloop.models.loading import load_tokenizer_for  # noqa: E402
 from agentloop.models.modelzoo import ensure_tiny_model  # noqa: E402
 from agentloop.rollout.engine import RolloutEngine  # noqa: E402
@@ -83,7 +86,8 @@ async def run_side(name: str, overrides: list[str], rows: list[dict], model: Pat
         await proc.stop()
     s = result.summary
     errors = [r.error for r in result.records if r.error]
-    return {"episodes": len(result.records), "wall_s": round(wall, 2), "episodes_per_s": round(len(result.records) / wall, 1),
+    return {"episodes": len(result.records), "wall_s": round(wall, 2),
+            "episodes_per_s": round(len(result.records) / wall, 1),
             "peak_in_flight": peak.peak, "errors": len(errors), "first_error": errors[0] if errors else None,
             "mean_reward": s.get("mean_reward"), **{k: s.get(k) for k in s if k.startswith("loop/")}}
 
@@ -118,7 +122,7 @@ def openenv_side(args, model: Path) -> dict:
         openenv_env.OpenEnvSession.open, openenv_env.OpenEnvSession.close = open_, close_
         cfg = openenv_env.OpenEnvConfig(url=f"http://127.0.0.1:{port}", episodes=args.episodes, system_prompt=SYSTEM)
         rows = openenv_env.openenv_rows(cfg)
-        ov = [f"rollout.loop=openenv_loop", f"envs.openenv.url=\"http://127.0.0.1:{port}\"",
+        ov = ["rollout.loop=openenv_loop", f"envs.openenv.url=\"http://127.0.0.1:{port}\"",
               "envs.openenv.observation_role=tool", "envs.openenv.tools=[calculator]", "envs.openenv.max_turns=3",
               "envs.openenv.message_timeout_s=600", "envs.openenv.connect_timeout_s=600"]
         return asyncio.run(run_side("openenv", ov, rows, model, args.latency_s, peak))

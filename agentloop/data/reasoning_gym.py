@@ -76,7 +76,7 @@ def reasoning_gym_rows(tasks: list[str], size: int, seed: int = 0, *, split: str
     for task in tasks:
         try:
             ds = rg.create_dataset(task, size=size, seed=seed, **config.get(task, {}))
-        except Exception as e:  # reasoning-gym's own message (a bad config key or value)
+        except Exception as e:  # noqa: BLE001 - reasoning-gym's own message (a bad config key or value)
             raise DataError(f"reasoning_gym: create_dataset({task!r}, size={size}, seed={seed}, "
                             f"**{config.get(task, {})}) failed: {type(e).__name__}: {e}") from None
         per_task.append((task, ds))

@@ -27,8 +27,8 @@ from agentloop.loops import (
            search_r1,  # noqa: F401 - registers search_r1_agent_loop
            single_turn,  # noqa: F401 - registers single_turn_agent_loop
            textarena_env,  # noqa: F401 - registers textarena_loop
-           verifiers_env,  # noqa: F401 - registers verifiers_loop
            tool_agent,  # noqa: F401 - registers tool_agent_loop
+           verifiers_env,  # noqa: F401 - registers verifiers_loop
 )
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.loops.registry import (

@@ -113,10 +113,11 @@ class OpenEnvSession:
             raise EnvError(f"OpenEnv server {self.cfg.url}: {kind} answer is not an object: {str(body)[:200]}")
         if body.get("type") == "error":
             err = body.get("data") or {}
-            detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in err.get("errors") or []
-                               if isinstance(e, dict))
-            raise EnvError(f"OpenEnv server {self.cfg.url}: {kind}: {err.get('message', err)}"
-                           f"{' (' + str(err['code']) + ')' if err.get('code') else ''}{': ' + detail if detail else ''}")
+            detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
+                               for e in err.get("errors") or [] if isinstance(e, dict))
+            code = f" ({err['code']})" if err.get("code") else ""
+            raise EnvError(f"OpenEnv server {self.cfg.url}: {kind}: {err.get('message', err)}{code}"
+                           f"{': ' + detail if detail else ''}")
         if not isinstance(body.get("data"), dict):
             raise EnvError(f"OpenEnv server {self.cfg.url}: {kind} answer has no data: {str(body)[:200]}")
         return body["data"]

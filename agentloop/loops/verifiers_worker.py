@@ -101,9 +101,8 @@ def export(ns):
 
 class Worker:
     def __init__(self, env, sampling_args):
-        from openai import AsyncOpenAI  # noqa: F401 - imported once, here
-
         import verifiers as vf
+        from openai import AsyncOpenAI  # noqa: F401 - imported once, here
 
         self.env = env
         self.sampling_args = sampling_args

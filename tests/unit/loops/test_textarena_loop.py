@@ -16,8 +16,8 @@ import pytest
 from agentloop.config import Config
 from agentloop.errors import EnvError
 from agentloop.loops.env_tokens import encode_env_text
-from agentloop.loops.textarena_env import FixedOpponent, TextArenaLoop, listed_moves, new_text, textarena_rows
 from agentloop.loops.template import template_info
+from agentloop.loops.textarena_env import FixedOpponent, TextArenaLoop, listed_moves, new_text, textarena_rows
 from agentloop.records import Sample
 from tests.unit.loops.test_tool_loop import ScriptedServer, get_tokenizer
 
