@@ -50,13 +50,14 @@ class ReasoningGymEnvConfig(_Section):
     tasks: list[str] = Field(default_factory=list)
     """reasoning-gym dataset names (`basic_arithmetic`, `leg_counting`, ...): with `--env reasoning_gym:A,B` the
     run's training rows are `size` entries of each (seed `seed`), its validation rows `val_size` of each (seed
-    `seed` + 1), generated at start."""
+    `seed` + `size`: reasoning-gym draws entry i from seed + i, so these are not training entries), generated at
+    start."""
     size: int = Field(default=2000, ge=1)
     """Training entries per task."""
     val_size: int = Field(default=32, ge=0)
     """Validation entries per task (0: none)."""
     seed: int = 0
-    """Seed of the training entries (validation: seed + 1)."""
+    """Seed of the training entries (validation: seed + size)."""
     config: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per task, its dataset config's keywords (`{"basic_arithmetic": {"max_terms": 3}}`)."""
     system_prompt: str | None = "default"

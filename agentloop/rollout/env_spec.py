@@ -92,7 +92,8 @@ def prepare_env_rows(cfg: Config) -> str | None:
             opts = dict(config=r.config, system_prompt=r.system_prompt, answer_format=r.answer_format,
                         tools=r.tools or None)
             if r.val_size:
-                write_rows(reasoning_gym_rows(r.tasks, r.val_size, r.seed + 1, split="test", **opts), val)
+                # reasoning-gym draws entry i from seed + i: validation from seed + size on is apart from training
+                write_rows(reasoning_gym_rows(r.tasks, r.val_size, r.seed + r.size, split="test", **opts), val)
             write_rows(reasoning_gym_rows(r.tasks, r.size, r.seed, **opts), train)
         elif lib == "verifiers":
             from agentloop.loops.verifiers_env import export_rows
