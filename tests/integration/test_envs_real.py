@@ -57,7 +57,10 @@ def right_answer(text: str, question: str) -> float:
 
 def check(records, tok, tools: list[dict] | None, url: str) -> None:
     assert records and [r.error for r in records if r.error] == []
-    assert rescore(url, records) <= TOL
+    worst = rescore(url, records)
+    print(f"\n{records[0].loop}: {len(records)} records, max |recorded - re-scored| logprob {worst:.2e}, "
+          f"{sum(r.response_mask.count(0) for r in records)} environment tokens (mask 0)")
+    assert worst <= TOL
     for r in records:
         for m, lp in zip(r.response_mask, r.response_logprobs):
             assert (lp == 0.0) if m == 0 else (lp <= 0.0)
