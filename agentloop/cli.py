@@ -61,6 +61,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop", metavar="NAME", help="registered agent loop (default from config)")
     p.add_argument("--plugin", action="append", default=[], metavar="P",
                    help="python file or module to import first (registers loops/tools/rewards); repeatable")
+    p.add_argument("--env", metavar="LIB:SPEC",
+                   help="an environment library's environment as the loop and rows: verifiers:MODULE[:{kwargs}], "
+                        "reasoning_gym:TASK[,TASK...], textarena:ENV_ID, openenv:URL (docs/environments.md)")
     p.add_argument("--data", metavar="FILE",
                    help="JSONL or Parquet file in verl row format (data.path): the rows rolled out, or trained on")
     p.add_argument("-n", "--n-samples", type=int, metavar="N", help="episodes per prompt")
@@ -93,6 +96,15 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     if args.run_dir:
         out.append("run_dir=" + json.dumps(args.run_dir))
     return out
+
+
+def _env_overrides(args: argparse.Namespace) -> list[str]:
+    """What `--env LIB:SPEC` stands for (before the user's own overrides, which win)."""
+    if not getattr(args, "env", None):
+        return []
+    from agentloop.rollout.env_spec import env_overrides
+
+    return env_overrides(args.env)
 
 
 TRAIN_PRESET = "presets/train_tiny.yaml"
@@ -133,7 +145,8 @@ def build_config(args: argparse.Namespace) -> Any:
         # an existing run goes on with its own config: the values given now are overrides of it (no preset)
         from agentloop.train.orchestrator.resume import resume_config
 
-        cfg, changes = resume_config(resumed, args.config, list(args.overrides) + _flag_overrides(args),
+        cfg, changes = resume_config(resumed, args.config, _env_overrides(args) + list(args.overrides) +
+                                     _flag_overrides(args),
                                      force=args.force, force_settings=args.force_settings,
                                      force_data=args.force_data)
         said = "; changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes) if changes else ""
@@ -147,7 +160,13 @@ def build_config(args: argparse.Namespace) -> Any:
     main_job = uses_main_preset(args)
     if main_job:
         config = Path(__file__).parent / ROLLOUT_PRESET
-    cfg = load_config(config, list(args.overrides) + _flag_overrides(args))
+    cfg = load_config(config, _env_overrides(args) + list(args.overrides) + _flag_overrides(args))
+    if getattr(args, "env", None) and args.command in ("rollout", "train"):
+        from agentloop.rollout.env_spec import prepare_env_rows
+
+        said = prepare_env_rows(cfg)
+        if said:
+            print(f"agentloop {args.command}: {said}", file=sys.stderr, flush=True)
     if main_job and cfg.model.path is None:
         # The preset's model: the tiny model's shipped supervised warm start (installed into the cache once).
         from agentloop.models.warmstart import ensure_warm_model
@@ -304,6 +323,12 @@ def make_parser() -> argparse.ArgumentParser:
     btr.set_defaults(server_url=[], model=None, loop=None, data=None, n_samples=None, seed=None, run_dir=None,
                      plugin=[])
     _data_parsers(sub)
+    ev = sub.add_parser("envs", help="environment libraries run in virtualenvs of their own (verifiers)")
+    evsub = ev.add_subparsers(dest="envs", required=True)
+    es = evsub.add_parser("setup", help="build (once) the virtualenv an environment library runs in")
+    es.add_argument("library", choices=["verifiers"])
+    es.add_argument("--extra", action="append", default=[], metavar="PKG",
+                    help="also install PKG there (your environment's package, e.g. vf-my-env or ./my_env); repeatable")
     rv = sub.add_parser("retriever", help="retrieval service for Search-R1-style search")
     rvsub = rv.add_subparsers(dest="retriever", required=True)
     rs = rvsub.add_parser("serve", help="BM25 over a JSONL corpus behind Search-R1's POST /retrieve API")
@@ -348,8 +373,8 @@ def _data_parsers(sub: Any) -> None:
     d = sub.add_parser("data", help="prepare recipe data from the data sets' own files; check verl data files")
     dsub = d.add_subparsers(dest="data", required=True)
     pp = dsub.add_parser("prepare", help="the data set's own rows -> verl rows for a recipe")
-    pp.add_argument("recipe", choices=["gsm8k", "countdown", "search_r1", "code"])
-    src = pp.add_mutually_exclusive_group(required=True)
+    pp.add_argument("recipe", choices=["gsm8k", "countdown", "search_r1", "code", "reasoning_gym"])
+    src = pp.add_mutually_exclusive_group()
     src.add_argument("--input", metavar="FILE", help="the data set's own .parquet/.jsonl file")
     src.add_argument("--generate", type=int, metavar="N", help="countdown: N puzzles from the built-in generator")
     src.add_argument("--builtin", metavar="SET", help="code: a built-in set (code, code_stdio)")
@@ -361,9 +386,22 @@ def _data_parsers(sub: Any) -> None:
     pp.add_argument("--limit", type=int, metavar="N", help="convert at most N input rows")
     pp.add_argument("--template", default="base", choices=["base", "qwen-instruct"],
                     help="countdown: TinyZero's prompt template")
-    pp.add_argument("--seed", type=int, default=0, help="countdown --generate: generator seed")
+    pp.add_argument("--seed", type=int, default=0, help="countdown --generate, reasoning_gym: generator seed")
     pp.add_argument("--data-source", metavar="NAME",
                     help="search_r1: data_source of every row (nq, hotpotqa, ...; default: the rows' own column)")
+    pp.add_argument("--task", metavar="NAME[,NAME...]",
+                    help="reasoning_gym: the reasoning-gym dataset(s) to generate (basic_arithmetic, gcd, ...)")
+    pp.add_argument("--size", type=int, default=1000, metavar="N", help="reasoning_gym: entries per task")
+    pp.add_argument("--config", metavar="JSON", dest="task_config",
+                    help='reasoning_gym: dataset config per task, e.g. \'{"basic_arithmetic": {"max_terms": 2}}\'')
+    pp.add_argument("--system-prompt", default="default", metavar="NAME|TEXT",
+                    help="reasoning_gym: one of reasoning-gym's SYSTEM_PROMPTS (default, DeepSeekZero, simple, "
+                         "direct, chain_of_draft), any other text as is, or '' for none")
+    pp.add_argument("--answer-format", default="answer_tag", choices=["answer_tag", "hashes"],
+                    help="reasoning_gym: how the reward reads the answer: reasoning-gym's <answer> tags (its own "
+                         "extract_answer), or the number after the last `####`")
+    pp.add_argument("--tools", metavar="NAME[,NAME...]",
+                    help="reasoning_gym: tools every row offers (tools_kwargs), e.g. calculator for tool_agent_loop")
     ck = dsub.add_parser("check", help="validate a verl .jsonl/.parquet file, row by row")
     ck.add_argument("file", metavar="FILE")
     ck.add_argument("--prompt-key", default="prompt", help="column holding the chat messages")
@@ -389,7 +427,21 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from agentloop.data.prepare import code_rows_for_parquet
 
     split = args.split or ("test" if args.input and "test" in Path(args.input).name.lower() else "train")
-    if args.generate is not None:
+    if args.recipe == "reasoning_gym":
+        if args.input or args.generate is not None or args.builtin:
+            raise ConfigError("reasoning_gym generates its rows: give --task NAME[,NAME...] --size N --seed S, "
+                              "not --input/--generate/--builtin")
+        if not args.task:
+            raise ConfigError("reasoning_gym needs --task NAME[,NAME...] (a reasoning-gym dataset name)")
+        from agentloop.data.reasoning_gym import parse_task_config, reasoning_gym_rows
+
+        rows = reasoning_gym_rows([t.strip() for t in args.task.split(",") if t.strip()], args.size, args.seed,
+                                  split=split, config=parse_task_config(args.task_config),
+                                  system_prompt=args.system_prompt, answer_format=args.answer_format,
+                                  tools=[t.strip() for t in args.tools.split(",")] if args.tools else None)
+    elif not (args.input or args.generate is not None or args.builtin):
+        raise ConfigError(f"{args.recipe} needs one of --input FILE, --generate N, --builtin SET")
+    elif args.generate is not None:
         if args.recipe != "countdown":
             raise ConfigError("--generate works for countdown only")
         rows = generate_countdown(args.generate, seed=args.seed, split=split, template=args.template)
@@ -524,6 +576,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from agentloop.models.modelzoo import ensure_tiny_model
 
         print(ensure_tiny_model())
+        return 0
+    if args.command == "envs":
+        from agentloop.loops.verifiers_env import VERIFIERS_PIN, setup_venv
+
+        path = setup_venv(args.extra)
+        extra = ", " + ", ".join(args.extra) if args.extra else ""
+        print(f"agentloop envs setup verifiers: {path} ({VERIFIERS_PIN}{extra}); its Python: {path / 'bin' / 'python'}")
         return 0
     if args.command == "loops":
         from agentloop.loops import list_agent_loops, load_plugin

@@ -10,6 +10,8 @@ Map:
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
     AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
+    EnvsConfig         environment libraries' environments: verifiers, reasoning-gym, TextArena, OpenEnv
+                       (agentloop/envs_config.py)
     ClusterConfig      where a training run's servers and learner run (this host, or a Ray cluster), and the GPUs
                        it plans for (`agentloop train --dry-run` can plan for absent ones)
     Config             the root; `load_config(path, overrides)` builds it
@@ -37,6 +39,7 @@ from pydantic import (
     model_validator,
 )
 
+from agentloop.envs_config import EnvsConfig
 from agentloop.errors import ConfigError
 from agentloop.gateway.config import AgentConfig, GatewayConfig
 from agentloop.rewards.config import CodeRewardConfig, ToolRewardConfig
@@ -430,6 +433,8 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Where a training run's servers and learner run (this host, or a Ray cluster) and the GPUs it plans its
     memory for (None: the visible ones)."""
+    envs: EnvsConfig = Field(default_factory=EnvsConfig)
+    """Environment libraries' environments (verifiers, reasoning-gym, TextArena, OpenEnv): `--env LIB:SPEC`."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

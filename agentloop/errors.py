@@ -119,6 +119,11 @@ class ToolLifecycleTimeout(EpisodeError):
     """A tool's create (or another lifecycle call that must finish) ran past `tools.lifecycle_timeout_s`."""
 
 
+class EnvError(EpisodeError):
+    """An environment library's environment failed: it raised, its server is down or answered an error, an
+    observation is not text, a rubric returned no reward. The message is the library's own."""
+
+
 class AgentError(EpisodeError):
     """A user agent run by openai_agent_loop failed: it raised, its command exited non-zero, its result was
     unusable, or it never called the model."""

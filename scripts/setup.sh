@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-command setup on a fresh machine: a virtualenv in .venv with agentloop, sglang 0.5.23
 # (CPU engine usable; torch comes with it), Ray (the ray extra: cluster.backend=ray and its tests), the
-# test tools (pytest, ruff) and verl 0.9.1 for the verl parity tests, then the tiny model built once.
+# test tools (pytest, ruff), verl 0.9.1 for the verl parity tests and the environment libraries (the envs extra:
+# reasoning-gym, TextArena, openenv-core), then the tiny model built once. verifiers gets a virtualenv of its own,
+# built by its tests on first use (`agentloop envs setup verifiers`, cached in ~/.cache/agentloop/env-venvs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -40,10 +42,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # --no-cache-dir: a wheel cache would hold a second copy of several GB of wheels.
 .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
-.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev,ray,verl-parity]"
+.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev,ray,verl-parity,envs]"
 # verl 0.9.1 for tests/unit/train/test_verl_parity.py (its own functions against ours): without its dependencies,
 # whose pins would fight sglang's; the verl-parity extra above holds the few its imports need
 .venv/bin/python -m pip install -q --no-cache-dir --no-deps "verl==0.9.1"
 .venv/bin/python -c "import sglang, torch, ray, agentloop; print('agentloop', agentloop.__version__, '| sglang', sglang.__version__, '| torch', torch.__version__, '| ray', ray.__version__)"
+.venv/bin/python -c "import reasoning_gym, textarena, openenv; print('envs: reasoning-gym', reasoning_gym.__version__, '| textarena, openenv-core importable')"
 .venv/bin/python -W ignore -c "import verl.trainer.ppo.ray_trainer, verl.workers.utils.losses, verl; print('verl', verl.__version__, '(for the parity tests)')"
 .venv/bin/agentloop build-model

@@ -8,7 +8,8 @@ has its process to itself. Tests use it the same way.
                      LRU eviction of unused leaves; a request's `cached_tokens` is its longest cached prefix,
                      and its prompt + output are inserted when it finishes (SGLang's cache_finished_req)
     ScriptedSpec     what the server answers: scripted turns (token ids chosen by how many `turn_marker` ids
-                     the input holds: a tool loop's k-th turn sees k tool responses) or seeded filler tokens,
+                     the input holds: a tool loop's k-th turn sees k tool responses), a first-turn answer per
+                     prompt (`answers`, keyed by `answer_key` of the input ids) or seeded filler tokens,
                      and how long each answer takes (latency model below)
     ScriptedServer   a minimal HTTP/1.1 server on asyncio (keep-alive, Content-Length bodies, orjson): the
                      aiohttp server costs ~4x more CPU per request, which on a 2-core box is CPU taken from
@@ -181,9 +182,17 @@ class ScriptedSpec:
     """Each latency is scaled by a factor in [1 - jitter, 1 + jitter] drawn from the request's input ids."""
     cache_tokens: int = 0
     """Prefix cache capacity in tokens (0: no cache; every cached_tokens is 0)."""
+    answers: dict[str, list[int]] = field(default_factory=dict)
+    """First-turn answers by prompt: `answer_key(input_ids)` -> the answer's ids (before the script, which answers
+    the prompts not here and every later turn), so each episode can get its own completion (parity tests)."""
     max_running_requests: int = 4096
     """What /server_info reports as the scheduler's concurrent request limit (not enforced)."""
     weight_version: str = "default"
+
+
+def answer_key(input_ids: list[int]) -> str:
+    """The key of a prompt in `ScriptedSpec.answers`."""
+    return hashlib.blake2b(",".join(map(str, input_ids)).encode(), digest_size=16).hexdigest()
 
 
 class ScriptedServer:
@@ -261,7 +270,11 @@ class ScriptedServer:
         max_new = int(sp.get("max_new_tokens", 128))
         seed = int(sp.get("sampling_seed") or 0)
         k = ids.count(spec.turn_marker) if spec.turn_marker is not None else 0
-        if spec.script:
+        keyed = spec.answers.get(answer_key(ids)) if spec.answers and k == 0 else None
+        if keyed is not None:
+            out = keyed[:max_new]
+            finish = "stop" if len(out) == len(keyed) and out and out[-1] in spec.stop_ids else "length"
+        elif spec.script:
             turn = spec.script[min(k, len(spec.script) - 1)]
             if spec.think_tokens and spec.think_ids:
                 h = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=32).digest()

@@ -19,6 +19,10 @@ rules), so curves compare; our own, more lenient readings live under `agentloop/
                                                   `eq = target` ok, malformed 0)
     agentloop/search_qa                         qa.compute_score (last <answer>, response only) loop
     agentloop/code                              code.compute_score (tests in the sandbox)       loop
+    reasoning_gym                               reasoning_gym.compute_score (the task's own     loop
+                                                  score_answer, reasoning-gym's extraction)
+    verifiers, textarena, openenv               environment.compute_score: the environment      -
+                                                  loop sets the reward (rubric, game, server)
     exact_match                                 exact.compute_score                             loop
 
 `text` is the reward's `solution_view` (agentloop.rewards.scoring). Which to choose: the project's name
@@ -32,9 +36,11 @@ from agentloop.rewards import (
     boxed,
     code,
     countdown,
+    environment,
     exact,
     gsm8k,
     qa,
+    reasoning_gym,
     search_r1_qa,
     tinyzero_countdown,
     verl_gsm8k,
@@ -63,6 +69,8 @@ BUILTIN_REWARDS: dict[str, RewardCallable] = {
     "agentloop/search_qa": qa.compute_score,
     "agentloop/code": code.compute_score,
     "exact_match": exact.compute_score,
+    "reasoning_gym": reasoning_gym.compute_score,
+    **{name: environment.compute_score for name in environment.LOOPS},
 }
 
 
