@@ -10,6 +10,7 @@ Map:
     RolloutConfig      which loop, how many samples, how much concurrency, the run seed
     RewardConfig       reward selection
     AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
+    JournalConfig      the episode journal of a training run (agentloop/journal/config.py)
     ClusterConfig      where a training run's servers and learner run (this host, or a Ray cluster), and the GPUs
                        it plans for (`agentloop train --dry-run` can plan for absent ones)
     Config             the root; `load_config(path, overrides)` builds it
@@ -39,6 +40,7 @@ from pydantic import (
 
 from agentloop.errors import ConfigError
 from agentloop.gateway.config import AgentConfig, GatewayConfig
+from agentloop.journal.config import JournalConfig
 from agentloop.rewards.config import CodeRewardConfig, ToolRewardConfig
 from agentloop.tools.config import ToolsConfig
 from agentloop.train.config import AlgoConfig, LearnerConfig
@@ -430,6 +432,9 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Where a training run's servers and learner run (this host, or a Ray cluster) and the GPUs it plans its
     memory for (None: the visible ones)."""
+    journal: JournalConfig = Field(default_factory=JournalConfig)
+    """The episode journal of `agentloop train` (RUN_DIR/journal/): a killed run continues every episode where it
+    stood."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
