@@ -12,7 +12,10 @@ what came before; effects carry `n`, their place in the episode's order of effec
     GEN           one generate call completed: prompt length + hash (pl, ph), the TokenOutput the loop received
     EFFECT_START  a tool call (or another external effect) is about to run: its name and arguments' hash
     EFFECT_DONE   ... and what it returned (JSON)
-    DONE          the episode's records as the engine made them (scored; one per segment)
+    DONE          the episode's records as the engine made them (scored; one per segment); or, for an episode whose
+                  every effect is journaled (no gap, a loop that replays), only what replaying cannot make again: its
+                  score, reward info, metrics, wall time, step and how many effects it made ("light"): ~0.3 KB
+                  instead of its token arrays and text, the tokens being in its GEN records already
     RESTART       the episode starts over (its loop diverged from its journal, or cannot replay): generation g
     DROP          the group (uid, attempt) will never be trained: cancelled, given out again, dropped
     TRAINED       step s's batch was handed to the learner: its uids, and the data state stored with it
@@ -84,6 +87,10 @@ def _floats(blob: memoryview) -> list[float]:
 
 def version_runs(versions: Sequence[int | None]) -> list[list[int | None]]:
     """[[version, count], ...]: a call's tokens are nearly always of one or two versions."""
+    if not versions:
+        return []
+    if versions.count(versions[0]) == len(versions):  # one version: counted in C, no loop
+        return [[versions[0], len(versions)]]
     runs: list[list[int | None]] = []
     for v in versions:
         if runs and runs[-1][0] == v:
@@ -136,6 +143,12 @@ def done_meta(g: int, records: list[EpisodeRecord]) -> tuple[dict[str, Any], lis
                   bytes(r.response_mask), array("d", r.response_logprobs).tobytes(),
                   array("q", [_NO_VERSION if v is None else v for v in r.token_versions]).tobytes()]
     return {"g": g, "records": metas}, blobs
+
+
+def done_light(g: int, rec: EpisodeRecord, effects: int) -> dict[str, Any]:
+    """A finished episode's DONE when replaying its journaled effects rebuilds its tokens and text (codec doc)."""
+    return {"g": g, "light": True, "reward": rec.reward, "reward_info": rec.reward_info, "metrics": rec.metrics,
+            "finish_reason": rec.finish_reason, "wall_s": rec.wall_s, "step": rec.step, "effects": effects}
 
 
 def done_records(meta: dict[str, Any], blobs: list[memoryview]) -> list[EpisodeRecord]:

@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -124,10 +125,15 @@ class Journal:
         self._dropped: set[tuple[int, int]] = set(self.state.dropped)
         self._compactor = ThreadPoolExecutor(1, thread_name_prefix="journal-compact")
         self._compaction: Future | None = None
+        self.on_trained: list[Callable[[], Any]] = []
+        """Called at every step boundary after the segment is closed (Ray rollout workers close theirs)."""
+        self._resumed: set[tuple[int, int]] = set()
         self._scan_waiters: list[tuple[set[int], asyncio.Future]] = []
         self._scan_task: asyncio.Task | None = None
         self._earlier: list[Path] = []
-        """Segments an earlier process left: compacted at this process's first step boundary."""
+        """Segments an earlier process left, and the last compaction's output: the next compaction's inputs with
+        the segments closed since (guarded by `_carry_lock`: the writer's and the compactor's threads share it)."""
+        self._carry_lock = threading.Lock()
         header_payload = codec.encode(codec.HEADER, codec.RUN, 0, 0, dict(header))
         self.writer = SegmentWriter(directory, writer, lambda: header_payload,
                                     write_interval_ms=cfg.write_interval_ms, fsync_interval_ms=cfg.fsync_interval_ms,
@@ -195,12 +201,9 @@ class Journal:
             for e in eps:
                 self._index[(uid, attempt, e.repeat)] = e
                 plan.episodes += 1
+                plan.finished_episodes += e.finished
                 recs = e.records()
-                if recs is not None:
-                    plan.finished_episodes += 1
-                    plan.tokens += sum(r.num_model_tokens for r in recs)
-                else:
-                    plan.tokens += e.model_tokens
+                plan.tokens += sum(r.num_model_tokens for r in recs) if recs is not None else e.model_tokens
         self.counts["groups_dropped_stale"] += len(plan.dropped_stale)
         self.counts["episodes_dropped_stale"] += plan.episodes_dropped_stale
         self.counts["tokens_journaled_at_resume"] += plan.tokens
@@ -213,7 +216,12 @@ class Journal:
         if plan is None or sample.uid is None or sample.uid not in plan.groups:
             return sample
         attempt = plan.groups.pop(sample.uid)
+        self._resumed.add((sample.uid, attempt))
         return sample if attempt == sample.attempt else sample.model_copy(update={"attempt": attempt})
+
+    def is_resumed(self, sample: Sample) -> bool:
+        """Whether this prompt was given out to go on from the journal (`resumed_sample`)."""
+        return (sample.group_uid, sample.attempt) in self._resumed
 
     def oldest_version(self, uid: int) -> int | None:
         """The oldest version among a resumed group's journaled tokens (None: none, or not resumed)."""
@@ -316,6 +324,8 @@ class Journal:
                                                                          "data_state": data_state}),
                  64 + 8 * len(uids))
         rotated = self.writer.rotate()
+        for hook in self.on_trained:
+            hook()
         if self.cfg.compact:
             # the sets as of now, taken here on the event loop's thread (the callback runs on the writer's)
             void = (frozenset(self._trained), frozenset(self._dropped))
@@ -327,31 +337,52 @@ class Journal:
         # the compactor's thread, one at a time (inputs not taken now wait for the next step boundary)
         if self.closed or (self._compaction is not None and not self._compaction.done()):
             return
-        inputs = self._earlier + self.writer.closed_segments
-        if not inputs:
-            return
-        self._earlier = []
+        with self._carry_lock:
+            inputs = list(dict.fromkeys(self._earlier + self.writer.closed_segments + self._others_closed()))
+            if not inputs:
+                return
+            self._earlier = []
         self.writer.closed_segments = []
         out = self.directory / f"c-{self._next_compact_index():06d}.jal"
         try:
             self._compaction = self._compactor.submit(compact_segments, inputs, out, trained, dropped,
                                                       step, data_state, self.writer.header())
-            self._compaction.add_done_callback(self._compacted)
+            self._compaction.add_done_callback(lambda f: self._compacted(f, inputs, out))
         except RuntimeError:  # the compactor is shut down: the journal is closing
             pass
+
+    def _others_closed(self) -> list[Path]:
+        """Segments other writers (Ray rollout workers) closed: each one's segments but its newest, which it may
+        still be writing (a writer closes one only to open the next)."""
+        by_writer: dict[str, list[Path]] = {}
+        for p in self.directory.glob("*.jal"):
+            name, _, index = p.stem.rpartition("-")
+            if name not in ("c", self.writer.name) and index.isdigit():
+                by_writer.setdefault(name, []).append(p)
+        return [p for paths in by_writer.values() for p in sorted(paths)[:-1]]
 
     def _next_compact_index(self) -> int:
         return 1 + max((int(p.stem[2:]) for p in self.directory.glob("c-*.jal") if p.stem[2:].isdigit()), default=0)
 
-    def _compacted(self, fut: Future) -> None:
+    def _compacted(self, fut: Future, inputs: list[Path], out: Path) -> None:
         try:
             stats = fut.result()
         except Exception:  # noqa: BLE001 - a failed compaction leaves its inputs in place: nothing is lost
             self.counts["compaction_failures"] += 1
+            with self._carry_lock:  # tried again at the next step boundary
+                self._earlier = [p for p in inputs if p.exists()] + self._earlier
             return
+        with self._carry_lock:  # the next compaction rewrites this output with what was closed since
+            self._earlier.append(out)
         self.counts["compactions"] += 1
         self.counts["compacted_bytes_in"] += stats["bytes_in"]
         self.counts["compacted_bytes_out"] += stats["bytes_out"]
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Block until what was journaled is written and a compaction started by then has finished (tests, close)."""
+        self.writer.sync().result(timeout_s)  # after the rotation callbacks that schedule compactions
+        if self._compaction is not None:
+            self._compaction.result(timeout_s)
 
     async def sync(self) -> None:
         """Wait until everything journaled so far is written and fsynced (the step boundary's durability point)."""

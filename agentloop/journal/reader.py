@@ -52,10 +52,21 @@ class EpisodeLog:
     """(generation, order number) -> effect."""
     done: dict[int, list[EpisodeRecord]] = field(default_factory=dict)
     """generation -> the finished episode's records."""
+    light: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """generation -> the finished episode's score and metrics (a light DONE: its tokens come from replaying)."""
 
     def records(self) -> list[EpisodeRecord] | None:
-        """The finished records of the newest generation (None: not finished)."""
+        """The finished records of the newest generation (None: not finished, or finished light)."""
         return self.done.get(self.g)
+
+    def finished_light(self) -> dict[str, Any] | None:
+        """The newest generation's light DONE (codec.done_light), when its effects are all there to replay."""
+        d = self.light.get(self.g)
+        return d if d is not None and len(self.replay()) >= d["effects"] else None
+
+    @property
+    def finished(self) -> bool:
+        return self.records() is not None or self.finished_light() is not None
 
     def replay(self) -> list[Effect]:
         """The newest generation's effects 0, 1, ... up to the first gap."""
@@ -151,7 +162,10 @@ def fold(state: JournalState, payload: memoryview, kind: int, uid: int, attempt:
             ep.effects[(g, meta["n"])] = Effect(n=meta["n"], kind="effect", name=meta["name"], args_hash=meta["ah"],
                                                 done=True, value=meta.get("v"))
         elif kind == codec.DONE:
-            ep.done[g] = codec.done_records(meta, blobs)
+            if meta.get("light"):
+                ep.light[g] = meta
+            else:
+                ep.done[g] = codec.done_records(meta, blobs)
         # RESTART: only its generation counts (raised above)
 
 

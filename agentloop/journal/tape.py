@@ -64,6 +64,12 @@ class EpisodeTape:
         self.record = record
         """Journal this episode's effects (False: a loop that cannot replay them, or the journal ended: a gap)."""
         self.diverged: str | None = None
+        self.went_live = False
+        """A call found nothing left to replay: the episode goes on live from there."""
+        self.complete = True
+        """Every effect this episode made is journaled (no call left out), so replaying rebuilds it whole."""
+        self.done_fields: dict[str, Any] | None = None
+        """A light DONE (codec.done_light) of the episode finished before the kill, to apply once replayed whole."""
         self.reused_tokens = 0
         self._last_gen: Effect | None = None
         self._checked_continuation = False
@@ -129,13 +135,16 @@ class EpisodeTape:
             self.journal.counts["calls_reused"] += 1
             return e.out.model_copy(update={"token_ids": list(e.out.token_ids), "logprobs": list(e.out.logprobs),
                                             "token_versions": list(e.out.token_versions)})
+        self.went_live = True
         if self._last_gen is not None and not self._checked_continuation:
             self._check_continuation(prompt_ids)
         plen, phash = len(prompt_ids), codec.prompt_hash(prompt_ids)  # now: the loop's array grows after the call
         out = await sm.generate(episode_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
         # a call a server aborted (not one a weight update cut: the manager continues those) is no completed
         # effect: left out, so an episode continued after it asks again
-        if self.record and out.finish_reason != "abort":
+        if out.finish_reason == "abort":
+            self.complete = False
+        elif self.record:
             g, uid, attempt, repeat = self.g, self.uid, self.attempt, self.repeat
 
             def encode() -> bytes:  # on the writer thread: the TokenOutput is not changed once returned
@@ -187,6 +196,7 @@ class EpisodeTape:
             value = await run()
             self._put_effect_done(n, name, ah, value)
             return value
+        self.went_live = True
         self._put(codec.EFFECT_START, {"g": self.g, "n": n, "name": name, "ah": ah})
         value = await run()
         self._put_effect_done(n, name, ah, value)
@@ -197,17 +207,32 @@ class EpisodeTape:
             orjson.dumps(value)
         except TypeError:  # not JSON: cannot be journaled, so the episode's journal ends before this effect
             self.record = False
+            self.complete = False
             self.journal.counts["episodes_with_gap"] += 1
             return
         self._put(codec.EFFECT_DONE, {"g": self.g, "n": n, "name": name, "ah": ah, "v": value})
 
     # ------------------------------------------------------------------ the end
 
+    def replayed_done(self, finish_reason: str) -> dict[str, Any] | None:
+        """The journaled score of an episode that finished before the kill, once its loop replayed every effect
+        again without going live (None: it did not, so it is scored as any episode)."""
+        d = self.done_fields
+        if d is None or self.went_live or self.diverged or self.seq != d["effects"] or \
+                finish_reason != d["finish_reason"]:
+            return None
+        return d
+
     def done(self, records: list[Any]) -> None:
-        """The episode's finished records (always journaled, gap or not: they stand alone)."""
+        """The episode's finished records: light when replaying its journaled effects rebuilds them (every effect
+        journaled, no error), else whole (they stand alone, gap or not)."""
         if self.journal.closed:
             return
         g, uid, attempt, repeat = self.g, self.uid, self.attempt, self.repeat
+        if self.record and self.complete and all(r.error is None for r in records):
+            light = codec.done_light(g, records[0], self.seq)
+            self._put_encoder(lambda: codec.encode(codec.DONE, uid, attempt, repeat, light), 512)
+            return
 
         def encode() -> bytes:
             meta, blobs = codec.done_meta(g, records)

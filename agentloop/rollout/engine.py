@@ -279,6 +279,14 @@ class RolloutEngine:
             return self._error_record(sample, e, step, time.monotonic() - t0)
         finally:
             self.sm.end_episode(sample.episode_id)
+        if tape is not None and (done := tape.replayed_done(out.finish_reason)) is not None:
+            # finished before a kill and replayed whole from the journal: its journaled score, not a new one
+            out.metrics = dict(done["metrics"])
+            return record_of(out, reward=done["reward"], error=None, reward_info=done["reward_info"],
+                             episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
+                             data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__,
+                             seed=sp.seed or 0, ground_truth=sample.ground_truth, wall_s=done["wall_s"],
+                             step=done["step"])
         try:
             return await self._scored_record(sample, sp, out, step, t0)
         except Exception as e:  # noqa: BLE001 - e.g. a plugin's non-JSON `extra`: the record names the key

@@ -47,7 +47,9 @@ async def run_journaled(engine: Any, sample: Sample, step: int | None,
         journal.counts["episodes_reused_finished"] += 1
         journal.counts["tokens_reused"] += sum(r.num_model_tokens for r in done)
         return done
-    if tape.resumed and effects:
+    if tape.log is not None and effects:  # finished light: replayed whole, then its journaled score applies
+        tape.done_fields = tape.log.finished_light()
+    if tape.resumed and effects and tape.done_fields is None:
         journal.counts["episodes_resumed"] += 1
     elif tape.log is not None and not effects:  # in flight at the kill, but its loop cannot replay: from scratch
         tape.restart(f"{engine.loop_cls.__name__} is not resumable (AgentLoopBase.resumable / restore)")
@@ -67,6 +69,11 @@ async def run_journaled(engine: Any, sample: Sample, step: int | None,
             tape = journal.tape_from(sample, log, g=tape.g)
             continue
         break
+    if tape.done_fields is not None:
+        if tape.replayed_done(rec.finish_reason) is not None:
+            journal.counts["episodes_reused_finished"] += 1
+        else:  # it did not replay whole (a divergence, a failure): it went on as a resumed episode
+            journal.counts["episodes_resumed"] += 1
     records = rec.split_segments()
     tape.done(records)
     return records

@@ -260,8 +260,8 @@ class Trainer:
         """The episode journal (agentloop.journal.Journal; None: journal.enabled=false)."""
         self.journal_rows = JournalRows(journal, journal_dir(cfg, run_dir)) if journal is not None else None
         self.streams = streams
-        """Makes the asynchronous schedule's group stream (None: the engine's, episodes on this event loop; the
-        Ray backend's rollout workers: agentloop.cluster.ray_rollout)."""
+        """Makes the asynchronous schedule's group stream, given the journal (None: the engine's, episodes on this
+        event loop; the Ray backend's rollout workers: agentloop.cluster.ray_rollout)."""
         # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
         self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
@@ -439,7 +439,7 @@ class Trainer:
                                                            total=(cfg.train.steps - first + 1) * B,
                                                            first_step=first, infra_retries=INFRA_RETRIES)
         journal = self.journal
-        stream = self.streams() if self.streams is not None else self.engine.stream(journal=journal)
+        stream = self.streams(journal) if self.streams is not None else self.engine.stream(journal=journal)
         changed = asyncio.Event()
 
         def carry_out(cmds: list[Command]) -> None:

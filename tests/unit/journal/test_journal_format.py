@@ -257,3 +257,25 @@ def test_journal_config_is_on_by_default_with_documented_keys():
     assert cfg.enabled and cfg.fsync_interval_ms == 1000 and cfg.on_mismatch == "refuse"
     for name, field in JournalConfig.model_fields.items():
         assert field.description, f"journal.{name} has no docstring"
+
+
+def test_each_step_boundary_compacts_what_came_before_into_one_segment(tmp_path):
+    """A step's groups leave the journal once its batch went to the learner: after three step boundaries the journal
+    is one compacted segment (the last one's output, which took in the one before) plus the open one, holding only
+    the groups still in flight."""
+    cfg = _cfg()
+    j = Journal.open(tmp_path, cfg.journal, journal_header(cfg, "m", "d"))
+    for step in (1, 2, 3):
+        for uid in (2 * step, 2 * step + 1):
+            p = _gen(uid, 0, 0, list(range(30)))
+            j.put(lambda p=p: p, len(p))
+        j.trained(step, [2 * step - 1] if step > 1 else [], {"next": 2 * step + 2})  # trains the previous odd uid
+        j.settle()
+    p = _gen(99, 0, 0, [1])
+    j.put(lambda: p, len(p))
+    j.close()
+    names = sorted(f.name for f in tmp_path.glob("*.jal"))
+    assert names == ["c-000003.jal", "d-000004.jal"], names
+    state = read_journal(tmp_path)
+    assert sorted({k[0] for k in state.episodes}) == [2, 4, 6, 7, 99] and state.data_state == {"next": 8}
+    assert j.counts["compactions"] == 3 and state.damaged_records == 0

@@ -14,6 +14,7 @@ from typing import Any
 
 from agentloop.config import Config, ManagerConfig, load_config
 from agentloop.journal import Journal, journal_header
+from agentloop.journal.reader import read_journal
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
 from agentloop.records import Sample
 from agentloop.rollout.engine import RolloutEngine
@@ -183,6 +184,7 @@ def test_finished_episodes_are_taken_from_the_journal_as_they_were(tmp_path):
 
     first, again, plan, counts, asked = asyncio.run(asyncio.wait_for(main(), 60))
     assert asked == 0 and plan.finished_episodes == 4 and counts["episodes_reused_finished"] == 4
+    assert counts["calls_reused"] == 4 * TURNS and counts.get("episodes_resumed", 0) == 0  # light: replayed whole
     assert [[r.model_dump() for r in o.records] for o in first] == [[r.model_dump() for r in o.records]
                                                                      for o in again]
 
@@ -310,3 +312,30 @@ def test_an_episode_whose_server_dies_goes_on_from_its_journal_on_another_server
     assert all(r.error is None for r in outs[0].records) and tokens(outs) == tokens(ref)
     assert counts["episodes_continued_after_failure"] == 1 and counts["calls_reused"] == a_done == 1
     assert b_asked == 2 * TURNS - a_done  # B made only what A had not
+
+
+def test_finished_episodes_of_a_loop_that_cannot_replay_are_journaled_whole_and_reused(tmp_path):
+    """A finished episode is journaled light (its score; its tokens are in its journaled calls) when replaying
+    rebuilds it, whole (token arrays and text) when not: both come back unchanged, with no server call."""
+    c = cfg()
+
+    async def main():
+        f1, f2 = await FakeSGLang().start(), await FakeSGLang().start()
+        try:
+            j = open_journal(c, tmp_path / "j")
+            first = await run_groups(c, f1, NotResumable, samples(2), 2, j)
+            j.close()
+            light = sum(len(e.light) for e in read_journal(tmp_path / "j").episodes.values())
+            j = open_journal(c, tmp_path / "j")
+            j.plan_resume(handed_out=lambda u: True, floor_version=None)
+            again = await run_groups(c, f2, NotResumable, samples(2), 2, j)
+            j.close()
+            return first, again, dict(j.counts), len(f2.requests), light
+        finally:
+            await f1.stop()
+            await f2.stop()
+
+    first, again, counts, asked, light = asyncio.run(asyncio.wait_for(main(), 60))
+    assert asked == 0 and light == 0 and counts["episodes_reused_finished"] == 4
+    assert [[r.model_dump() for r in o.records] for o in first] == [[r.model_dump() for r in o.records]
+                                                                     for o in again]
