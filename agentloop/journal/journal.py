@@ -116,7 +116,10 @@ class Journal:
         self.cfg = cfg
         self.header = header
         self.state = state or JournalState()
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter({k: 0 for k in ("compactions", "compaction_failures",
+                                                             "compacted_bytes_in", "compacted_bytes_out")})
+        """journal/... numbers. The compactor's thread adds to its own keys only, present from the start, so a reader
+        on the event loop never sees the dict change size."""
         self.restart_reasons: Counter[str] = Counter()
         self.closed = False
         self._index: dict[tuple[int, int, int], EpisodeLog] = {}
@@ -208,6 +211,7 @@ class Journal:
         self.counts["episodes_dropped_stale"] += plan.episodes_dropped_stale
         self.counts["tokens_journaled_at_resume"] += plan.tokens
         self.resume_plan = plan
+        self.state.episodes = {}  # what goes on is in the index now: the rest need not stay in memory
         return plan
 
     def resumed_sample(self, sample: Sample) -> Sample:
@@ -397,7 +401,7 @@ class Journal:
     def gauges(self) -> dict[str, float]:
         """journal/... numbers (cumulative) for a step's row."""
         w = self.writer.stats
-        out = {f"journal/{k}": float(v) for k, v in self.counts.items()}
+        out = {f"journal/{k}": float(v) for k, v in dict(self.counts).items()}
         out.update({"journal/bytes_written": float(w["bytes"]), "journal/records_written": float(w["records"]),
                     "journal/fsyncs": float(w["fsyncs"]), "journal/queued_bytes": float(self.writer.queued_bytes),
                     "journal/writer_failed": float(self.writer.error is not None)})

@@ -34,7 +34,7 @@ def open_run_journal(cfg: Config, run_dir: Path, model: Path | str, cursor: Data
     """The run's journal (None with journal.enabled=false), with its resume planned when it holds anything."""
     if not cfg.journal.enabled:
         return None
-    header = journal_header(cfg, str(model), cursor.fingerprint)
+    header = journal_header(cfg, str(Path(model).resolve()), cursor.fingerprint)
     journal = Journal.open(journal_dir(cfg, run_dir), cfg.journal, header, say=say)
     if journal.state.records:
         plan = journal.plan_resume(handed_out=cursor.handed_out_untrained, floor_version=floor_version)
