@@ -27,8 +27,9 @@ itself. Nothing inside the package imports this file (the public API re-exports 
     tools       tools/                                   tools, tool-call parsers, the sandbox
     inference   inference/                               SGLang servers we launch (and the CPU op fallback)
     client      server_manager.py routing.py interrupt.py client/  the inference client (its parts in client/), interrupt modes
+    journal     journal/                                 the episode journal: rollout state kept across a crash, replay
     util        util/                                    cache, run dirs, atomic writes, registries, event loop
-    vocabulary  config.py records.py errors.py envs_config.py train/config.py tools/config.py tools/sandbox/limits.py rewards/config.py gateway/config.py
+    vocabulary  config.py records.py errors.py envs_config.py train/config.py tools/config.py tools/sandbox/limits.py rewards/config.py gateway/config.py journal/config.py
 """
 
 from agentloop.config import Config, SamplingParams, load_config

@@ -12,7 +12,8 @@
                   --dry-run: the preflight every run makes (data, rewards, template, prompts, model, tools, GPU
                   memory plan), nothing started
     agentloop bench rollout [...same flags...] [--bench-requests N] [--bench-concurrency C] [--bench-episodes N]
-                          [--bench-kinds single,tool] [--scripted-server]   engine vs bare client, capacity
+                          [--bench-kinds single,tool] [--scripted-server] [--bench-journal]
+                          engine vs bare client, capacity (and the episode journal's cost)
     agentloop bench tools [...same flags...] [--bench-sets calculator,code] [--bench-prompts N]
                           [--remote [--bench-episodes 1000] [--scripted-server]]   local vs remote tools
     agentloop bench cache [...same flags...] [--scripted-server] [--bench-servers 4] [--bench-episodes N]
@@ -248,6 +249,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="--scripted-server: latencies spread over [1 - j, 1 + j] x --bench-latency-s")
     br.add_argument("--bench-cache-tokens", type=int, default=0,
                     help="--scripted-server: prefix cache capacity in tokens (0: none)")
+    br.add_argument("--bench-journal", action="store_true",
+                    help="capacity: a third side, the engine with the episode journal on (journal.* settings), "
+                         "beside the engine without it: the journal's cost in episodes/s and its bytes per episode")
     br.add_argument("--out", help="write the report JSON here")
     bt = bsub.add_parser("tools", help="tool loop vs single-turn loop on the same prompts: episodes/s, tok/s, "
                                        "share of time in tools and generation")

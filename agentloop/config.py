@@ -12,6 +12,7 @@ Map:
     AgentConfig, GatewayConfig  your own agent and the HTTP gateway it talks to (agentloop/gateway/config.py)
     EnvsConfig         environment libraries' environments: verifiers, reasoning-gym, TextArena, OpenEnv
                        (agentloop/envs_config.py)
+    JournalConfig      the episode journal of a training run (agentloop/journal/config.py)
     ClusterConfig      where a training run's servers and learner run (this host, or a Ray cluster), and the GPUs
                        it plans for (`agentloop train --dry-run` can plan for absent ones)
     Config             the root; `load_config(path, overrides)` builds it
@@ -42,6 +43,7 @@ from pydantic import (
 from agentloop.envs_config import EnvsConfig
 from agentloop.errors import ConfigError
 from agentloop.gateway.config import AgentConfig, GatewayConfig
+from agentloop.journal.config import JournalConfig
 from agentloop.rewards.config import CodeRewardConfig, ToolRewardConfig
 from agentloop.tools.config import ToolsConfig
 from agentloop.train.config import AlgoConfig, LearnerConfig
@@ -435,6 +437,9 @@ class Config(Section):
     memory for (None: the visible ones)."""
     envs: EnvsConfig = Field(default_factory=EnvsConfig)
     """Environment libraries' environments (verifiers, reasoning-gym, TextArena, OpenEnv): `--env LIB:SPEC`."""
+    journal: JournalConfig = Field(default_factory=JournalConfig)
+    """The episode journal of `agentloop train` (RUN_DIR/journal/): a killed run continues every episode where it
+    stood."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

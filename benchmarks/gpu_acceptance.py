@@ -26,6 +26,11 @@ paths that need two GPUs. Rows:
     learner-1rank-S      `agentloop bench train` (varlen + compile), S = 0.5b and 1.5b shapes, one rank: MFU
   part two (resume, interrupts and the Ray kill at once, then the learner on two ranks, then Ray's cost)
     resume-nccl          as resume-tensor with learner.weight_sync=nccl (server GPU 0, learner GPU 1)
+    resume-journal       after resume-nccl, on its GPUs: `agentloop train` (async, η = 1, nccl, the episode journal on
+                         by default) SIGKILLed once step 2's batch was submitted and the journal holds generated
+                         episodes of groups not yet trained, then `agentloop train --run-dir RUN`: the resumed run
+                         says what its journal holds and reuses every planned token (journal/tokens_reused), one row
+                         per step, no prompt skipped or trained twice (the mailbox's batches, the final data state)
     interrupt-nccl-M     as interrupt-tensor-M with nccl
     ray-kill-server      Ray (`ray start --head`), two server actors sharing a GPU and the learner on the other (disk:
                          each step's weights fetched once for the node): one server actor killed mid-rollout; the
@@ -457,6 +462,75 @@ class Rows:
         r.figure = (f"killed with step {submitted}'s batch submitted; {resumed}; steps 1..{steps} one row each; "
                     f"{check_servers(rows)}; final weights served by `agentloop rollout` (exit 0)")
 
+    # ---- the episode journal: killed with episodes in flight, resumed from where they stood
+
+    def resume_journal(self, r: Row, server_gpu: int, learner_gpu: int) -> None:
+        from agentloop.journal.reader import read_journal
+        from agentloop.train.handle.mailbox import read_batch
+        from agentloop.train.trainer.checkpoint import list_checkpoints, read_meta
+
+        acc = self.acc
+        run = acc.work / "resume-journal"
+        log = Path(r.log)
+        srv = acc.server(self.model("tiny"), server_gpu, acc.logs / "resume-journal-server.log", mem=0.85,
+                         tokens=131072, extra=["--disable-cuda-graph"])
+        steps = 6
+        try:
+            sync_args = [] if acc.smoke else ["learner.weight_sync=nccl", f"learner.gpus=[{learner_gpu}]"]
+            args = ["train", "--quiet", "--server-url", srv.url, "--model", str(self.model("tiny")), "--run-dir",
+                    str(run), *self.tiny_train, f"train.steps={steps}", "learner.checkpoint_every=2",
+                    "train.max_staleness=1", *sync_args]
+            cmd = [sys.executable, "-m", "agentloop.cli", *args]
+
+            def in_flight() -> int:
+                """Generated calls the journal holds for groups the learner has not been handed."""
+                if not (run / "mailbox" / "step-000002" / "batch.ready").is_file() or not (run / "journal").is_dir():
+                    return 0
+                st = read_journal(run / "journal")
+                return sum(len(e.replay()) for atts in st.groups().values() for eps in atts.values() for e in eps)
+
+            with log.open("ab") as fh:
+                fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+                fh.flush()
+                p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=acc.env(), cwd=ROOT,
+                                     start_new_session=True)
+                try:
+                    wait_for(lambda: in_flight() >= 4, p, 300, "step 2's batch with journaled episodes in flight")
+                finally:
+                    _kill_group(p)
+                fh.write(b"\n[acceptance: SIGKILL to the run's process group]\n")
+            t = time.monotonic()
+            rc = acc.cli(["train", "--quiet", "--run-dir", str(run)], log, 400)  # the README's resume command
+            if rc != 0:
+                raise Failed(f"the resumed run exited {rc}")
+            rows = check_steps(run, steps)
+        finally:
+            srv.stop()
+        text = log.read_text(errors="replace")
+        plan = next((ln.split("agentloop train: ", 1)[-1] for ln in text.splitlines() if "train: journal:" in ln), "")
+        if not plan:
+            raise Failed("the resumed run did not say what its journal holds")
+        planned = int(plan.split(" model tokens reused")[0].rsplit(", ", 1)[-1])
+        resumed_at = int(text.split("resumed at step ", 1)[1].split()[0]) if "resumed at step " in text else 1
+        reused = int(sum(row.get("journal/tokens_reused", 0) for row in rows if row["step"] >= resumed_at))
+        if planned <= 0 or reused != planned:
+            raise Failed(f"journaled tokens planned {planned}, reused {reused}")
+        trained: dict[int, int] = {}
+        for step in range(1, steps + 1):
+            for u in set(read_batch(run, step).uid.tolist()):
+                if u in trained:
+                    raise Failed(f"position {u} trained at steps {trained[u]} and {step}")
+                trained[u] = step
+        pos = read_meta(list_checkpoints(run / "checkpoints")[-1]).data_position
+        skipped = set(range(pos["next"])) - set(trained) - set(pos["requeue"])
+        if skipped:
+            raise Failed(f"positions skipped: {sorted(skipped)}")
+        restarted = int(sum(row.get("journal/episodes_restarted", 0) for row in rows))
+        r.data = {"plan": plan, "tokens_reused": reused, "resume_s": round(time.monotonic() - t, 1),
+                  "episodes_restarted": restarted, "steps": len(rows)}
+        r.figure = (f"{plan}; {reused} journaled tokens reused, {restarted} episodes restarted; steps 1..{steps} one "
+                    f"row each, every position trained once; {check_servers(rows)}")
+
     # ---- interrupt modes
 
     def interrupt(self, r: Row, srv: Any, sync: str, mode: str, learner_gpu: int) -> None:
@@ -838,9 +912,11 @@ def part_two(acc: Acceptance, rows: Rows) -> None:
     if not acc.smoke and acc.wants("learner-"):
         prebuild("qwen2.5-1.5b-shape")
     streams = [
-        threading.Thread(target=lambda: acc.row(
+        threading.Thread(target=lambda: (acc.row(
             "resume-nccl", "SIGKILL after checkpoint 2, resume, final weights in rollout (nccl, learner GPU 1)", 200,
-            "0,1", lambda r: rows.resume(r, "nccl", 0, 1))),
+            "0,1", lambda r: rows.resume(r, "nccl", 0, 1)), acc.row(
+            "resume-journal", "SIGKILL with journaled episodes in flight, resume from the journal (nccl)", 200,
+            "0,1", lambda r: rows.resume_journal(r, 0, 1)))),
         threading.Thread(target=lambda: _interrupts(acc, rows, "nccl", 0, 1, "0,1")),
         threading.Thread(target=lambda: acc.row(
             "ray-kill-server", "Ray: a server actor killed mid-rollout, 0 episodes lost (2 servers GPU 0, learner "

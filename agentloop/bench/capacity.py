@@ -9,6 +9,11 @@ sides against the same servers, the order swapped every round:
              `--bench-waves` x N episodes in all (GRPO groups of `--bench-group` episodes)
     bare     a plain aiohttp loop with a semaphore of N, sending each episode's requests (pre-tokenized, no
              template, no tools, no scoring) one turn after the other: the floor the engine is held to
+    journal  (with `--bench-journal`) the engine side with the episode journal on (agentloop.journal, as
+             `agentloop train` keeps it; its `journal.*` settings apply): every generate call, tool call and
+             finished record journaled to the side's run dir. journal/engine episodes/s is the journal's cost; the
+             side also reports the bytes it wrote per episode (what an episode in flight holds on disk at most,
+             before compaction) and the records a full queue dropped
 
 Each side runs in a fresh child process (`python -m agentloop.bench.capacity SPEC.json`): its memory, garbage
 collector and connections start from nothing, so one side's heap never counts for the other. Measured per side:
@@ -38,6 +43,7 @@ from statistics import median
 from typing import Any
 
 SIDES = ("bare", "engine")
+JOURNAL_SIDE = "journal"
 
 
 # ---------------------------------------------------------------------------------------------- probes
@@ -188,6 +194,11 @@ async def _engine_side(spec: dict[str, Any]) -> dict[str, Any]:
 
     cfg = load_config(spec["config"], spec["overrides"])
     load_plugins(cfg)
+    journal = None
+    if spec.get("journal_dir"):  # the journal side: the engine as `agentloop train` runs it, journal on
+        from agentloop.journal import Journal, journal_header
+
+        journal = Journal.open(Path(spec["journal_dir"]), cfg.journal, journal_header(cfg, spec["model"], "bench"))
     if spec.get("forced_tool"):
         _register_forced_parser()
     tokenizer = load_tokenizer_for(cfg, Path(spec["model"]))
@@ -198,7 +209,7 @@ async def _engine_side(spec: dict[str, Any]) -> dict[str, Any]:
         # untimed warm-up: reward workers start, the template is measured, the first connections open
         warm = rows_to_samples(bench_rows(1, 7), source="warm-up")
         await engine.run(warm, n_samples=1)
-        stream = engine.stream()
+        stream = engine.stream(journal=journal)
         probe = SideProbe(lambda: engine._active)
         errors: dict[str, int] = {}
         episodes = tokens = turns = 0
@@ -220,6 +231,13 @@ async def _engine_side(spec: dict[str, Any]) -> dict[str, Any]:
         finally:
             result = await probe.stop()
             await stream.close()
+            if journal is not None:
+                journal.close()
+                w = journal.writer.stats
+                result["journal"] = {"bytes": w["bytes"], "records": w["records"], "writes": w["writes"],
+                                     "fsyncs": w["fsyncs"], "dropped_queue_full": w["dropped_queue_full"],
+                                     "bytes_per_episode": w["bytes"] / max(1, episodes),
+                                     "failed": repr(journal.writer.error) if journal.writer.error else None}
         g = sm.gauges()
     result.update({"episodes": episodes, "errors": sum(errors.values()), "errors_by_type": errors,
                    "model_tokens": tokens, "turns_per_episode": turns / max(1, episodes),
@@ -309,9 +327,10 @@ async def run_side(spec: dict[str, Any], path: Path, timeout_s: float) -> dict[s
 
 
 def summarize_kind(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over rounds per side, and the median of the per-round engine/bare ratios."""
+    """Medians over rounds per side, and the median of the per-round engine/bare ratios (and journal/engine)."""
     out: dict[str, Any] = {"rounds": len(rounds)}
-    for side in SIDES:
+    sides = SIDES + ((JOURNAL_SIDE,) if JOURNAL_SIDE in rounds[0] else ())
+    for side in sides:
         rows = [r[side] for r in rounds]
         out[side] = {k: median(row[k] for row in rows) for k in (
             "episodes_per_s", "wall_s", "lag_p50_ms", "lag_p99_ms", "lag_max_ms", "own_lag_p50_ms", "own_lag_p99_ms",
@@ -326,6 +345,13 @@ def summarize_kind(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out["engine"]["connect_retries"] = sum(row.get("connect_retries", 0) for row in eng)
     out["engine"]["ejections"] = sum(row.get("ejections", 0) for row in eng)
     out["ratio"] = median(r["engine"]["episodes_per_s"] / r["bare"]["episodes_per_s"] for r in rounds)
+    if JOURNAL_SIDE in rounds[0]:
+        js = [r[JOURNAL_SIDE]["journal"] for r in rounds]
+        out["journal_ratio"] = median(r[JOURNAL_SIDE]["episodes_per_s"] / r["engine"]["episodes_per_s"] for r in rounds)
+        out["journal_ratios"] = [r[JOURNAL_SIDE]["episodes_per_s"] / r["engine"]["episodes_per_s"] for r in rounds]
+        out[JOURNAL_SIDE]["bytes_per_episode"] = median(j["bytes_per_episode"] for j in js)
+        out[JOURNAL_SIDE]["dropped_queue_full"] = sum(j["dropped_queue_full"] for j in js)
+        out[JOURNAL_SIDE]["fsyncs"] = median(j["fsyncs"] for j in js)
     return out
 
 
@@ -406,9 +432,13 @@ async def run_capacity(cfg: Any, args: Any, run_dir: Path, sm: Any, tokenizer: A
                     "overrides": overrides, "prompts": prompts, "seed": seed, "group": group, "inflight": n,
                     "forced_tool": not scripted and kind == "tool"}
             row: dict[str, Any] = {"round": rnd}
-            for side in (SIDES if rnd % 2 == 0 else SIDES[::-1]):
+            sides = SIDES + ((JOURNAL_SIDE,) if getattr(args, "bench_journal", False) else ())
+            for side in (sides if rnd % 2 == 0 else sides[::-1]):
                 await sm.flush_cache()
                 spec = {**base, "side": side}
+                if side == JOURNAL_SIDE:
+                    spec["side"] = "engine"
+                    spec["journal_dir"] = str(run_dir / f"journal_{kind}_{rnd}")
                 if side == "bare":
                     spec.update(requests=requests, sampling_params={
                         "max_new_tokens": args.bench_new_tokens_per_turn, "ignore_eos": not scripted,
@@ -421,7 +451,9 @@ async def run_capacity(cfg: Any, args: Any, run_dir: Path, sm: Any, tokenizer: A
                       f"p50/p99/max {r['lag_p50_ms']:.1f}/{r['lag_p99_ms']:.1f}/{r['lag_max_ms']:.0f} ms (own "
                       f"{r['own_lag_p50_ms']:.1f}/{r['own_lag_p99_ms']:.1f}/{r['own_lag_max_ms']:.0f}), cpu "
                       f"{r['cpu_s']:.1f}s, waited for a cpu {r['runqueue_wait_s']:.1f}s, "
-                      f"load {r['loadavg_1m_end']:.1f}",
+                      f"load {r['loadavg_1m_end']:.1f}"
+                      + (f", journal {r['journal']['bytes_per_episode']:.0f} B/episode, "
+                         f"{r['journal']['dropped_queue_full']} records dropped" if "journal" in r else ""),
                       file=sys.stderr, flush=True)
             row["ratio"] = row["engine"]["episodes_per_s"] / row["bare"]["episodes_per_s"]
             rounds.append(row)
@@ -437,7 +469,7 @@ def format_capacity(report: dict[str, Any]) -> str:
     lines.append(head)
     for kind, k in report["kinds"].items():
         med = k["median"]
-        for side in SIDES:
+        for side in SIDES + ((JOURNAL_SIDE,) if JOURNAL_SIDE in med else ()):
             m = med[side]
             lag = f"{m['lag_p50_ms']:.1f}/{m['lag_p99_ms']:.1f}/{m['lag_max_ms']:.0f}"
             own = f"{m['own_lag_p50_ms']:.1f}/{m['own_lag_p99_ms']:.1f}/{m['own_lag_max_ms']:.0f}"
@@ -448,6 +480,12 @@ def format_capacity(report: dict[str, Any]) -> str:
         lines.append(f"  {kind:<6} engine/bare episodes/s {med['ratio']:.3f} (median of {med['rounds']} rounds; "
                      f"target >= 0.95); engine: longest wait for a connection {e.get('conn_wait_max_s', 0.0):.2f} s, "
                      f"{e.get('connect_retries', 0)} connects retried, {e.get('ejections', 0)} ejections")
+        if JOURNAL_SIDE in med:
+            j = med[JOURNAL_SIDE]
+            lines.append(f"  {kind:<6} journal/engine episodes/s {med['journal_ratio']:.3f} (rounds "
+                         f"{', '.join(f'{x:.3f}' for x in med['journal_ratios'])}; target >= 0.98); journal "
+                         f"{j['bytes_per_episode']:.0f} bytes per episode, {j['dropped_queue_full']} records dropped "
+                         f"(queue full), {j['fsyncs']:.0f} fsyncs per side")
     return "\n".join(lines)
 
 

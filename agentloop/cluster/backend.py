@@ -91,7 +91,8 @@ class RayBackend(Backend):
 
     async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path, run_dir: Path) -> Any:
         """`cluster.rollout_workers` engine processes (agentloop.cluster.ray_rollout) whose managers follow `sm`,
-        stopped when `sm` closes; None without them."""
+        stopped when `sm` closes; None without them. The result makes a stream (given the run's episode journal,
+        or None)."""
         n = cfg.cluster.rollout_workers
         if n == 0:
             return None
@@ -106,7 +107,7 @@ class RayBackend(Backend):
             raise
         sm.add_follower(pool.follow)
         sm.on_close(pool.stop)
-        return lambda: WorkerStream(pool, sm)
+        return lambda journal=None: WorkerStream(pool, sm, journal=journal)
 
     async def close(self) -> None:
         if self.placement_group is not None:

@@ -11,6 +11,14 @@ processes of their own, so they are not bound to the driver's event loop.
                     the least loaded one; a worker that dies ends its groups cancelled (their prompts are given out
                     again), and none is lost
 
+With the episode journal (journal.enabled, the driver's `Journal`): each worker journals its episodes into the run's
+journal directory as a writer of its own (`w<pid>-<n>.jal` segments, header and settings the driver's); a group the
+driver resumes from the journal is read back from disk by the worker that gets it. A worker that dies does not cost
+its groups: each is handed to a live worker, which reads their journaled episodes (the dead worker wrote them up to
+its last write) and continues them from there, on whichever server answers. The workers' journal numbers join the
+driver's (`journal/...` in each step's row), and they close their segments at every step boundary so the driver's
+compaction takes them in.
+
 The synchronous schedule and validation run on the driver's engine, as without Ray.
 """
 
@@ -57,8 +65,23 @@ class RolloutWorker:
         self.scorer = Scorer(cfg)
         self.engine = RolloutEngine(cfg, self.sm, load_tokenizer_for(cfg, Path(model_path)),
                                     get_agent_loop(cfg.rollout.loop), scorer=self.scorer, progress=False)
-        self.stream = self.engine.stream()
+        self.cfg = cfg
+        self.journal: Any = None
+        self.stream: Any = None  # made with the first group (and its journal, when the driver keeps one)
         self.waiting: dict[int, asyncio.Future] = {}
+        self.collector: asyncio.Task | None = None
+        self._counts_sent: dict[str, int] = {}
+
+    def _ensure_stream(self, journal: dict[str, Any] | None) -> None:
+        if self.stream is not None:
+            return
+        if journal is not None:
+            import os
+
+            from agentloop.journal import Journal
+
+            self.journal = Journal(Path(journal["dir"]), self.cfg.journal, journal["header"], writer=f"w{os.getpid()}")
+        self.stream = self.engine.stream(journal=self.journal)
         self.collector = asyncio.create_task(self._collect())
 
     async def _collect(self) -> None:
@@ -68,34 +91,58 @@ class RolloutWorker:
             if fut is not None and not fut.done():
                 fut.set_result(out)
 
-    async def run_group(self, sample: Any, n: int, state: dict[str, Any]) -> GroupOutcome:
+    async def run_group(self, sample: Any, n: int, state: dict[str, Any], journal: dict[str, Any] | None = None,
+                        load: bool = False) -> GroupOutcome:
         """Run one group, the driver's manager's state at its submission followed first (its episodes start from
-        what the driver knew: the expected version they are counted from, the pause state)."""
+        what the driver knew: the expected version they are counted from, the pause state). `journal`: the driver's
+        journal (directory, header); `load`: the group is journaled (a resume, or its worker died): read its episodes
+        from disk first, to continue them."""
         self.sm.follow(state)
+        self._ensure_stream(journal)
+        if load and self.journal is not None:
+            await self.journal.load_group(sample.group_uid, sample.attempt)
         fut = asyncio.get_running_loop().create_future()
         self.waiting[sample.group_uid] = fut
         self.stream.submit(sample, n)
         return await fut
 
     def cancel(self, uid: int, reason: str) -> bool:
-        return self.stream.cancel(uid, reason)
+        return self.stream is not None and self.stream.cancel(uid, reason)
+
+    def journal_counts(self) -> dict[str, int]:
+        """This worker's journal numbers since the last call (the driver adds them to its own)."""
+        if self.journal is None:
+            return {}
+        now = dict(self.journal.counts)
+        out = {k: v - self._counts_sent.get(k, 0) for k, v in now.items() if v != self._counts_sent.get(k, 0)}
+        self._counts_sent = now
+        return out
+
+    def rotate_journal(self) -> None:
+        """Close the open segment (a step boundary): the driver's compaction takes closed segments in."""
+        if self.journal is not None:
+            self.journal.writer.rotate()
 
     def follow(self, state: dict[str, Any]) -> None:
         self.sm.follow(state)
 
     async def running_versions(self) -> dict[int, int | None]:
-        return await self.stream.running_versions()
+        return await self.stream.running_versions() if self.stream is not None else {}
 
     def busy_fraction(self, reset: bool) -> float:
-        return self.stream.busy_fraction(reset=reset)
+        return self.engine.busy_fraction(reset=reset)
 
     def stopped(self) -> str | None:
-        return self.stream.stopped
+        return self.stream.stopped if self.stream is not None else None
 
     async def stop(self) -> None:
-        self.collector.cancel()
-        await asyncio.gather(self.collector, return_exceptions=True)
-        await self.stream.cancel_all("the run ended")
+        if self.collector is not None:
+            self.collector.cancel()
+            await asyncio.gather(self.collector, return_exceptions=True)
+        if self.stream is not None:
+            await self.stream.cancel_all("the run ended")
+        if self.journal is not None:
+            self.journal.close()
         await self.scorer.close()
         await self.sm.close()
 
@@ -117,6 +164,11 @@ class WorkerPool:
         """The driver's ServerManager follower hook: every live worker mirrors its state before it goes on."""
         await asyncio.gather(*(w.follow.remote(state) for w in self.workers), return_exceptions=True)
 
+    def rotate_journals(self) -> None:
+        """Every worker closes its journal segment (fire and forget: a dead worker's segments are closed anyway)."""
+        for w in self.workers:
+            w.rotate_journal.remote()
+
     async def stop(self, grace_s: float = 30.0) -> None:
         refs = [w.stop.remote() for w in self.workers]
         await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=grace_s)
@@ -127,10 +179,18 @@ class WorkerPool:
 class WorkerStream:
     """The GroupStream interface over rollout workers (module doc); runs on the driver's event loop."""
 
-    def __init__(self, pool: WorkerPool, sm: Any):
+    def __init__(self, pool: WorkerPool, sm: Any, journal: Any = None):
         self.pool = pool
         self.sm = sm
         """The driver's ServerManager: its expected version is a group's submitted one, its state goes with it."""
+        self.journal = journal
+        """The driver's episode journal (agentloop.journal.Journal; None: off): the workers journal into its
+        directory, and a dead worker's groups go on elsewhere from it."""
+        self._journal_spec = ({"dir": str(journal.directory), "header": journal.header}
+                              if journal is not None else None)
+        self._dead: set[Any] = set()
+        if journal is not None:
+            journal.on_trained.append(pool.rotate_journals)
         self._where: dict[int, Any] = {}
         self._tasks: dict[int, asyncio.Task] = {}
         self._load = {w: 0 for w in pool.workers}
@@ -150,7 +210,7 @@ class WorkerStream:
         uid = sample.group_uid
         if uid in self._tasks:
             raise ValueError(f"group {uid} is already in this stream")
-        worker = min(self.pool.workers, key=lambda w: self._load[w])
+        worker = self._least_loaded()
         self._load[worker] += 1
         self._where[uid] = worker
         if not self._tasks:
@@ -159,10 +219,39 @@ class WorkerStream:
                                                            self.sm.follower_state()), name=f"remote-group-{uid}")
         self.counts["submitted"] += 1
 
+    def _least_loaded(self) -> Any:
+        live = [w for w in self.pool.workers if w not in self._dead] or self.pool.workers
+        return min(live, key=lambda w: self._load[w])
+
+    async def _run_on(self, worker: Any, sample: Any, n: int, state: dict[str, Any], load: bool) -> GroupOutcome:
+        out = await worker.run_group.remote(sample, n, state, self._journal_spec, load)
+        if self.journal is not None:
+            try:
+                self.journal.counts.update(await worker.journal_counts.remote())
+            except ray.exceptions.RayError:
+                pass
+        return out
+
     async def _group(self, worker: Any, sample: Any, n: int, version: Any, state: dict[str, Any]) -> None:
         uid = sample.group_uid
+        resumed = self.journal is not None and self.journal.is_resumed(sample)
         try:
-            out = await worker.run_group.remote(sample, n, state)
+            try:
+                out = await self._run_on(worker, sample, n, state, resumed)
+            except ray.exceptions.RayActorError:
+                # the worker died: with the journal its group goes on from what that worker journaled, on another
+                # live worker (the same attempt: its seeds, its episode ids); without it, cancelled below
+                self._dead.add(worker)
+                if self.journal is None or all(w in self._dead for w in self.pool.workers):
+                    raise
+                self._load[worker] -= 1
+                worker = self._least_loaded()
+                self._load[worker] += 1
+                self._where[uid] = worker
+                self.journal.counts["groups_moved_from_dead_worker"] += 1
+                out = await self._run_on(worker, sample, n, self.sm.follower_state(), True)
+                if out.cancelled is None:
+                    self.journal.counts["groups_continued_after_worker_death"] += 1
             if out.cancelled is None:
                 self.counts["completed"] += 1
             elif out.cancelled.startswith("every server went down"):

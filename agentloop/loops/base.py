@@ -1,6 +1,8 @@
 """AgentLoopBase, the one class a loop author subclasses, and its helpers.
 
-    AgentLoopBase        constructed per episode by the engine; write `async run(sample, sampling_params)`
+    AgentLoopBase        constructed per episode by the engine; write `async run(sample, sampling_params)`;
+                         `effect` / `tool_call` journal an outside action so a resumed episode replays it
+                         (agentloop.journal.tape), `resumable` / `restore` say whether the loop can be replayed
     TrajectoryBuilder    accumulates response tokens with masks/logprobs where they are made
     watch_trajectories   the engine's hook: the builders an episode makes, so one cut by its timeout
                          still has the turns it finished
@@ -19,7 +21,7 @@ import weakref
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
@@ -210,6 +212,13 @@ class AgentLoopBase(ABC):
 
     name: ClassVar[str] = ""
     """Registered name (set by register_agent_loop)."""
+    resumable: ClassVar[bool] = False
+    """Whether an episode of this loop can be continued from the journal (agentloop.journal) by replaying its
+    effects: `run` is started again with the same sample and seed, and every `self.generate` /
+    `self.server_manager.generate` call and every `self.effect` / `self.tool_call` is answered from the journal, in
+    order, until it runs out; then the episode goes on live. True only for a loop whose run depends on nothing but
+    those effects (the built-in loops). False (the default): a resumed episode restarts from scratch, counted;
+    override `restore` for a loop with state elsewhere."""
 
     def __init__(
         self,
@@ -225,6 +234,9 @@ class AgentLoopBase(ABC):
         self.config = config
         self.tools = tools or {}
         self.extra_kwargs = kwargs
+        self.effects: Any = None
+        """The episode's journal tape (agentloop.journal.tape.EpisodeTape), set by the engine when the run keeps a
+        journal; None: effects simply run."""
         self.trajectories: list[TrajectoryBuilder] | None = _WATCHED.get()
         """The episode's builders (the engine sets it to its list, see watch_trajectories): code that builds
         trajectories outside the episode's task context (the gateway) appends to it explicitly."""
@@ -238,6 +250,32 @@ class AgentLoopBase(ABC):
     @abstractmethod
     async def run(self, sample: Sample, sampling_params: SamplingParams) -> AgentLoopOutput:
         """Run one episode and return its output (reward may be left None for the engine to score)."""
+
+    async def restore(self, sample: Sample, journaled: Any) -> bool:
+        """Called before a journaled episode is continued (a resumed run, a dead server or rollout worker):
+        return True to replay its journaled effects (see `resumable`), False to restart it from scratch. A loop that
+        keeps state outside its effects (an environment of its own, files) rebuilds that state here, from
+        `journaled` (agentloop.journal.reader.EpisodeLog: `replay()` lists the effects, in order), and returns True.
+        Default: `resumable`."""
+        return type(self).resumable
+
+    async def effect(self, name: str, arguments: Any, run: Callable[[], Awaitable[Any]], *, idempotent: bool = False,
+                     stateful: bool = False) -> Any:
+        """Run an outside action (`await run()`, returning JSON data) through the journal: journaled as started
+        before it runs and with its result after; replayed on a resume, its journaled result is returned without
+        running it. `idempotent`: running it twice does no more than once (one running at a kill is then run
+        again; otherwise the episode ends as an error record naming it). `stateful`: its result depends on
+        earlier calls' (it is re-run on a replay to rebuild that state, which needs `idempotent`)."""
+        if self.effects is None:
+            return await run()
+        return await self.effects.effect(name, arguments, run, idempotent=idempotent, stateful=stateful)
+
+    async def tool_call(self, tool: Any, arguments: Any, run: Callable[[], Awaitable[Any]]) -> Any:
+        """`effect` for a tool call: named by the tool, idempotent and stateful as its class says
+        (BaseTool.idempotent, BaseTool.stateful)."""
+        return await self.effect(f"tool:{tool.name}", arguments, run,
+                                 idempotent=bool(getattr(tool, "idempotent", False)),
+                                 stateful=bool(getattr(tool, "stateful", False)))
 
     # ------------------------------------------------------------ helpers for loop authors
 

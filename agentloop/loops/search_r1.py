@@ -31,6 +31,7 @@ messages, as Search-R1 does for tokenizers that have one (`data.apply_chat_templ
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from typing import Any
@@ -79,6 +80,8 @@ async def search_passages(cfg: ToolsConfig, query: str) -> str:
 class SearchR1AgentLoop(AgentLoopBase):
     """Search-R1's `<search>` / `<information>` / `<answer>` loop (settings: `config.tools`)."""
 
+    resumable = True  # its prompts are its TrajectoryBuilder's tokens; searches go through `effect`
+
     @property
     def tools_config(self) -> ToolsConfig:
         return getattr(self.config, "tools", None) or ToolsConfig()
@@ -120,7 +123,9 @@ class SearchR1AgentLoop(AgentLoopBase):
                 break
             if action == "search":
                 t0 = time.monotonic()
-                obs = information(await search_passages(cfg, content))
+                # journaled: a resumed episode gets the passages back without asking the retriever again
+                obs = information(await self.effect("search", {"query": content},
+                                                    functools.partial(search_passages, cfg, content), idempotent=True))
                 dt = time.monotonic() - t0
                 m["tool_time_s"] += dt
                 m["searches"] += 1

@@ -12,6 +12,8 @@ from agentloop.records import AgentLoopOutput, Sample
 class SingleTurnAgentLoop(AgentLoopBase):
     """One assistant turn. The reward is left to the engine (scored by data_source)."""
 
+    resumable = True  # one generate call on the templated prompt: the journal replays it
+
     async def run(self, sample: Sample, sampling_params: SamplingParams) -> AgentLoopOutput:
         traj = TrajectoryBuilder(self.apply_chat_template(sample.messages))
         out = await self.generate(sample.episode_id, traj.context(), sampling_params)

@@ -84,6 +84,8 @@ class _Counters:
 class ToolAgentLoop(AgentLoopBase):
     """Multi-turn loop with tools; settings in `config.tools` (ToolsConfig)."""
 
+    resumable = True  # its prompts are its TrajectoryBuilder's tokens; tool calls go through `tool_call`
+
     @property
     def tools_config(self) -> ToolsConfig:
         return getattr(self.config, "tools", None) or ToolsConfig()
@@ -274,21 +276,28 @@ class ToolAgentLoop(AgentLoopBase):
                     text=f"error: invalid arguments for {call.name}: " + "; ".join(problems) +
                          f". Expected schema: {json.dumps(tool.parameters)}", error="invalid_arguments"), 0.0, \
                     "invalid_arguments"
-            async with sem:
-                t0 = time.monotonic()
-                try:
-                    resp = await asyncio.wait_for(tool.execute(instances[call.name], call.arguments),
-                                                  cfg.tool_timeout_s)
-                    kind = "ok" if resp.error is None else "error"
-                except asyncio.TimeoutError:
-                    c.add("tool_timeouts")
-                    resp = ToolResponse(text=f"error: {call.name} timed out after {cfg.tool_timeout_s:g}s",
-                                        error="timeout")
-                    kind = "timeout"
-                except Exception as e:  # noqa: BLE001 - a tool's failure becomes its message
-                    resp = ToolResponse(text=f"error: {type(e).__name__}: {e}", error=f"{type(e).__name__}: {e}")
-                    kind = "exception"
-                return call.name, resp, time.monotonic() - t0, kind
+
+            async def execute() -> dict[str, Any]:
+                async with sem:
+                    t0 = time.monotonic()
+                    try:
+                        resp = await asyncio.wait_for(tool.execute(instances[call.name], call.arguments),
+                                                      cfg.tool_timeout_s)
+                        kind = "ok" if resp.error is None else "error"
+                    except asyncio.TimeoutError:
+                        resp = ToolResponse(text=f"error: {call.name} timed out after {cfg.tool_timeout_s:g}s",
+                                            error="timeout")
+                        kind = "timeout"
+                    except Exception as e:  # noqa: BLE001 - a tool's failure becomes its message
+                        resp = ToolResponse(text=f"error: {type(e).__name__}: {e}", error=f"{type(e).__name__}: {e}")
+                        kind = "exception"
+                    return {"resp": resp.model_dump(), "dt": time.monotonic() - t0, "kind": kind}
+
+            # through the journal: a resumed episode gets the journaled result back without running the tool
+            r = await self.tool_call(tool, call.arguments, execute)
+            if r["kind"] == "timeout":
+                c.add("tool_timeouts")
+            return call.name, ToolResponse(**r["resp"]), r["dt"], r["kind"]
 
         results = await asyncio.gather(*(one(call) for call in run))
         msgs: list[dict[str, Any]] = []

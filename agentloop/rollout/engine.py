@@ -8,7 +8,8 @@ Map:
     _run_episode           build the loop, seed it, run it under its deadline, score it; any exception
                            becomes an error record (AllServersDownError also stops the run); a timed-out
                            episode keeps the turns it finished; a reward that raises or times out scores
-                           reward.failure_score (counted in the record's metrics)
+                           reward.failure_score (counted in the record's metrics). With a journal (a stream's
+                           `journal`): recorded, or continued from where it stood (rollout/journaled.py)
     RolloutResult          the records plus summary numbers (reward, pass@k, tokens/s, errors, lag)
 Scoring lives in `scorer.py`, the summary numbers in `summary.py`, the progress line in report.progress.
 Every episode, whichever path runs it, holds one of the engine's `rollout.max_concurrency` slots.
@@ -37,11 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentloop.config import Config, SamplingParams, derive_seed
 from agentloop.errors import AgentLoopError, AllServersDownError, EpisodeTimeout, RewardError
+from agentloop.journal import Journal, ReplayDiverged
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder, watch_trajectories
 from agentloop.records import AgentLoopOutput, EpisodeRecord, Sample, json_problem
 from agentloop.report.progress import emit, progress_line
 from agentloop.rewards.pool import RewardTimeout
 from agentloop.rewards.tool_aware import combine_tool_reward
+from agentloop.rollout.journaled import journaled_started_version, run_journaled
 from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer, reward_extra_info
 from agentloop.rollout.summary import summarize
@@ -184,14 +187,15 @@ class RolloutEngine:
             parts.append(f"attempt{sample.attempt}")
         return SamplingParams(**self.cfg.sampling.model_dump(), seed=derive_seed(*parts))
 
-    def stream(self, *, step: int | None = None) -> "GroupStream":
-        """A stream of GRPO groups (see GroupStream); close it with `await stream.close()`."""
-        return GroupStream(self, step=step)
+    def stream(self, *, step: int | None = None, journal: Journal | None = None) -> "GroupStream":
+        """A stream of GRPO groups (see GroupStream); close it with `await stream.close()`. `journal`: its episodes
+        are journaled, and continued from the journal where it holds them (agentloop.journal)."""
+        return GroupStream(self, step=step, journal=journal)
 
     async def run(self, samples: list[Sample], *, n_samples: int | None = None, step: int | None = None,
-                  on_record: RecordSink | None = None) -> RolloutResult:
+                  on_record: RecordSink | None = None, journal: Journal | None = None) -> RolloutResult:
         """Every sample's group through a GroupStream, collected: records in completion order, each
-        handed to `on_record` as soon as it exists (so a stopped run keeps them)."""
+        handed to `on_record` as soon as it exists (so a stopped run keeps them); `journal`: see `stream`."""
         n = n_samples or self.cfg.rollout.n_samples
         total = n * len(samples)
         result = RolloutResult()
@@ -207,7 +211,7 @@ class RolloutEngine:
                 if inspect.isawaitable(r):
                     await r
 
-        stream = GroupStream(self, step=step, on_episode=emit, error_record_on_stop=True)
+        stream = GroupStream(self, step=step, on_episode=emit, error_record_on_stop=True, journal=journal)
         progress_task = asyncio.create_task(self._progress(tally, total, t0)) if self.progress else None
         try:
             for i, s in enumerate(samples):
@@ -230,28 +234,40 @@ class RolloutEngine:
             self._print_progress(tally, total, t0, final=True)
         return result
 
-    async def _run_episode(self, sample: Sample, step: int | None) -> EpisodeRecord:
+    async def _run_episode(self, sample: Sample, step: int | None,
+                           journal: Journal | None = None) -> EpisodeRecord | list[EpisodeRecord]:
+        """The episode's record; with a journal, its records (one per segment), journaled (rollout/journaled.py)."""
         self._episode_started()
         try:
+            if journal is not None:
+                return await run_journaled(self, sample, step, journal)
             return await self._run_episode_inner(sample, step)
         finally:
             self._episode_ended()
 
-    async def _run_episode_inner(self, sample: Sample, step: int | None) -> EpisodeRecord:
+    async def _run_episode_inner(self, sample: Sample, step: int | None, tape: Any = None) -> EpisodeRecord:
+        """`tape`: the episode's journal tape (agentloop.journal.tape): the loop's generate calls and effects go
+        through it; ReplayDiverged leaves here (the journaled runner restarts the episode)."""
         t0 = time.monotonic()
         sp = self.sampling_params(sample)
         built = watch_trajectories()  # this episode's task only: each episode runs in its own task
         deadline = Deadline(self.cfg.rollout.episode_timeout_s)
         try:
-            loop = self.loop_cls(server_manager=self.sm, tokenizer=self.tokenizer, config=self.cfg,
-                                 **self.loop_kwargs)
+            loop = self.loop_cls(server_manager=self.sm if tape is None else tape.server_manager(self.sm),
+                                 tokenizer=self.tokenizer, config=self.cfg, **self.loop_kwargs)
             loop.trajectories = built
+            if tape is not None:
+                loop.effects = tape
+                if tape.replaying and not await loop.restore(sample, tape.log):
+                    tape.restart(f"{self.loop_cls.__name__} is not resumable (AgentLoopBase.resumable / restore)")
             async with deadline:
                 out = await loop.run(sample, sp)
+            if tape is not None and tape.diverged:  # the loop caught the divergence itself: its output is void
+                raise ReplayDiverged(tape.diverged)
             if not isinstance(out, AgentLoopOutput):
                 raise TypeError(f"{self.loop_cls.__name__}.run returned {type(out).__name__}, "
                                 "not AgentLoopOutput")
-        except AllServersDownError:
+        except (AllServersDownError, ReplayDiverged):
             raise
         except (TimeoutError, asyncio.TimeoutError) as e:
             # only the episode's own deadline is the policy's timeout; a TimeoutError an environment raised
@@ -263,6 +279,14 @@ class RolloutEngine:
             return self._error_record(sample, e, step, time.monotonic() - t0)
         finally:
             self.sm.end_episode(sample.episode_id)
+        if tape is not None and (done := tape.replayed_done(out.finish_reason)) is not None:
+            # finished before a kill and replayed whole from the journal: its journaled score, not a new one
+            out.metrics = dict(done["metrics"])
+            return record_of(out, reward=done["reward"], error=None, reward_info=done["reward_info"],
+                             episode_id=sample.episode_id, index=sample.index, uid=sample.uid, repeat=sample.repeat,
+                             data_source=sample.data_source, loop=self.loop_cls.name or self.loop_cls.__name__,
+                             seed=sp.seed or 0, ground_truth=sample.ground_truth, wall_s=done["wall_s"],
+                             step=done["step"])
         try:
             return await self._scored_record(sample, sp, out, step, t0)
         except Exception as e:  # noqa: BLE001 - e.g. a plugin's non-JSON `extra`: the record names the key
@@ -408,9 +432,11 @@ class GroupStream:
 
     def __init__(self, engine: RolloutEngine, *, step: int | None = None,
                  on_episode: Callable[[EpisodeRecord], Awaitable[None]] | None = None,
-                 error_record_on_stop: bool = False):
+                 error_record_on_stop: bool = False, journal: Journal | None = None):
         self.engine = engine
         self.step = step
+        self.journal = journal
+        """Episodes journaled and continued from the journal (agentloop.journal); None: neither."""
         self.on_episode = on_episode
         self.error_record_on_stop = error_record_on_stop
         self._tasks: dict[int, asyncio.Task] = {}
@@ -560,9 +586,10 @@ class GroupStream:
             await self.engine.gate.enter()
             if self.stopped:  # nothing can finish any more (servers down, sink failed): never started
                 raise asyncio.CancelledError
-            self._started.setdefault(uid, self.engine.sm.expected_version)
+            if uid not in self._started:  # a resumed group: as old as its oldest journaled token
+                self._started[uid] = journaled_started_version(self.journal, uid, self.engine.sm.expected_version)
             try:
-                rec = await self.engine._run_episode(sample, self.step)
+                rec = await self.engine._run_episode(sample, self.step, self.journal)
             except AllServersDownError as e:
                 self._stop(f"every server went down: {e}", but=uid)
                 if not self.error_record_on_stop:
@@ -570,8 +597,8 @@ class GroupStream:
                 rec = self.engine._error_record(sample, e, self.step, 0.0)
             except Exception as e:  # noqa: BLE001 - the engine's last resort: one record per episode, always
                 rec = self.engine._error_record(sample, e, self.step, 0.0)
-        try:
-            records = rec.split_segments()  # one record per segment of the episode (most have one)
+        try:  # one record per segment of the episode (most have one); a journaled episode's already are
+            records = rec if isinstance(rec, list) else rec.split_segments()
         except Exception as e:  # noqa: BLE001 - segments that make no record: the episode's failure, as a record
             records = [self.engine._error_record(sample, e, self.step, 0.0)]
         if self.on_episode is not None:

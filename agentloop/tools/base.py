@@ -10,6 +10,12 @@ Life cycle within one episode (driven by tool_agent_loop):
 
 An exception raised by `execute` becomes the tool message `error: Type: message` and is counted;
 it never ends the episode.
+
+With the episode journal (agentloop.journal) a call's result is journaled; a resumed episode gets it back without
+the call running again. `idempotent` and `stateful` say what may be run again: a call running at a kill is run
+again only when the tool is idempotent (else the episode ends as an error record naming it), and a stateful
+tool's journaled calls are run again on a resume to rebuild its instance (idempotent ones only; else the episode
+restarts).
 """
 
 from __future__ import annotations
@@ -48,6 +54,14 @@ class BaseTool(ABC):
     """One or two sentences for the model."""
     parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
     """JSON schema of the arguments object."""
+    idempotent: ClassVar[bool] = False
+    """Running a call twice does no more than running it once (a pure function, a read, a fresh sandbox per call):
+    a call running when a run was killed is then run again on resume. False (the default): such an episode ends as
+    an error record naming the tool (its group's prompt is given out again)."""
+    stateful: ClassVar[bool] = False
+    """The instance keeps what earlier calls did (a session, a counter a tool reward reads): on a resume its
+    journaled calls are run again, in order, to rebuild it (the model still sees their journaled results), which
+    needs `idempotent`; a stateful tool that is not idempotent makes its resumed episodes restart."""
     verl_style: ClassVar[bool] = False
     """True for the tools of a verl tool config (agentloop.tools.verl_tools): tool_agent_loop hands them
     `tools_kwargs[name].create_kwargs` only, as verl does."""

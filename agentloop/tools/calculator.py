@@ -128,6 +128,7 @@ class CalculatorTool(BaseTool):
     """Evaluates one arithmetic expression."""
 
     name = "calculator"
+    idempotent = True  # a pure function of its arguments: a call cut by a kill is simply run again
     description = ("Evaluate an arithmetic expression: numbers, + - * / // % ** (or ^), parentheses, "
                    "pi, e, and sqrt, log, exp, sin, cos, tan, abs, round, floor, ceil, factorial, min, max.")
     parameters = {

@@ -20,6 +20,7 @@ class PythonTool(BaseTool):
     """
 
     name = "python"
+    idempotent = True  # a fresh sandbox per call, nothing kept: a call cut by a kill is run again
     description = ("Run a Python 3 program in a sandbox and return its stdout and stderr. "
                    "Each call starts fresh; print the values you need. No network access.")
     parameters = {

@@ -235,6 +235,10 @@ class RemoteTool(BaseTool):
         self.description = spec.get("description", "")  # type: ignore[misc]
         self.parameters = spec.get("parameters") or {"type": "object", "properties": {}}  # type: ignore[misc]
         self.verl_style = bool(spec.get("verl_style", False))  # type: ignore[misc]
+        # the service keeps the episode's instance (create/release there): a resumed episode cannot rebuild it
+        # unless the tool says its calls may run again
+        self.stateful = True  # type: ignore[misc]
+        self.idempotent = bool(spec.get("idempotent", False))  # type: ignore[misc]
 
     async def create(self, episode: Sample, **kwargs: Any) -> RemoteInstance:
         return await self.pool.create(self.name, episode, kwargs)

@@ -4,7 +4,7 @@ so heavy tools (sandboxes, retrievers, environments) run on their own machines.
 API (JSON bodies; with a token set, every request carries `Authorization: Bearer <token>`):
 
     GET    /v1/tools                    {"tools": [{name, description, parameters, verl_style, sandboxed,
-                                        isolated}], "lease_s"}
+                                        isolated, idempotent}], "lease_s"}
     POST   /v1/instances                {tool, episode (a Sample), kwargs} -> {instance_id}: tool.create
     POST   /v1/instances/{id}/execute   {arguments, timeout_s} -> {text, metrics, error}, or
                                         {timeout: true} | {exception: {type, message}}: tool.execute
@@ -200,7 +200,8 @@ class ToolService:
     async def _tools(self, request: Any) -> Any:
         return self._json({"lease_s": self.scfg.lease_s, "tools": [
             {"name": t.name, "description": t.description, "parameters": t.parameters, "verl_style": t.verl_style,
-             "sandboxed": name in self.isolation, "isolated": self.isolation.get(name)}
+             "sandboxed": name in self.isolation, "isolated": self.isolation.get(name),
+             "idempotent": bool(getattr(t, "idempotent", False))}
             for name, t in self.schemas.items()]})
 
     async def _body(self, request: Any) -> dict[str, Any]:

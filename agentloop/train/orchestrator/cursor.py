@@ -128,3 +128,8 @@ class DataCursor:
     @property
     def pending_retries(self) -> int:
         return len(self._retry)
+
+    def handed_out_untrained(self, uid: int) -> bool:
+        """Whether position `uid` is still to be trained: waiting to be given out again, or not handed out yet
+        (at or past `position`). False: trained (or dropped for good) before the stored state was made."""
+        return uid >= self.position or any(u == uid for u, _ in self._retry)

@@ -13,8 +13,9 @@ Map:
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
     finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
 Parts elsewhere: the schedule's rules (schedule: Staleness, Admission, GroupBuffer, and AsyncSchedule, the
-object `run_async` drives), LearnerProcess (learner_process), DataCursor (cursor), the step's batch
-(agentloop.train.batch), the learner handle (agentloop.train.handle), StepLog and the progress line
+object `run_async` drives), the episode journal (journaling, agentloop.journal), LearnerProcess (learner_process),
+DataCursor (cursor), the step's batch (agentloop.train.batch), the learner handle (agentloop.train.handle), StepLog
+and the progress line
 (agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
 starts (agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
 
@@ -32,7 +33,10 @@ Resume: the learner resumes from its last checkpoint (step C) and trains the bat
 the stop (steps C+1..k, as they are); the run goes on at step k+1 (`wait_caught_up`) with the data
 state stored with batch k (C's when k = C): the next new position and the positions handed out but
 not trained, which are given out again first, so every position is trained exactly once, and the
-fingerprint of the rows they index (other rows are an error unless forced). The config of a resumed run
+fingerprint of the rows they index (other rows are an error unless forced). With the episode journal
+(journal.enabled, the default) those prompts are not rolled out again from scratch: each journaled group goes
+on where it stood (its finished episodes as they were, the others from their last journaled token), unless
+its oldest token is now too stale (dropped, counted; the prompt given out again). The config of a resumed run
 is its saved config.yaml plus the values given now (agentloop.train.orchestrator.resume, applied by the CLI).
 The servers load weights/step-k before rolling out (the newest; weights/step-C are kept from pruning and written
 from the checkpoint when missing; missing weights are an error). Admission counts from version k, so
@@ -80,6 +84,7 @@ from agentloop.train.handle.protocol import LearnerError, LearnerHandle, UpdateR
 from agentloop.train.model_support import require_model_support
 from agentloop.train.orchestrator.backend import Backend, LocalBackend
 from agentloop.train.orchestrator.cursor import DataCursor
+from agentloop.train.orchestrator.journaling import JournalRows, journal_dir, open_run_journal, step_uids
 from agentloop.train.orchestrator.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.orchestrator.served_model import align_served_weights, check_served_model
 from agentloop.train.planning.preflight import Preflight, run_preflight, say_lines
@@ -243,7 +248,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
                  learner: LearnerHandle, log: StepLog, cursor: DataCursor, val_samples: list[Sample], *,
-                 layout: BatchLayout | None = None, stage: Stage = same_path, streams: Any = None):
+                 layout: BatchLayout | None = None, stage: Stage = same_path, streams: Any = None,
+                 journal: Any = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.sm = sm
@@ -253,9 +259,12 @@ class Trainer:
         self.cursor = cursor
         self.val_samples = val_samples
         self.layout = layout or BatchLayout()
+        self.journal = journal
+        """The episode journal (agentloop.journal.Journal; None: journal.enabled=false)."""
+        self.journal_rows = JournalRows(journal, journal_dir(cfg, run_dir)) if journal is not None else None
         self.streams = streams
-        """Makes the asynchronous schedule's group stream (None: the engine's, episodes on this event loop; the
-        Ray backend's rollout workers: agentloop.cluster.ray_rollout)."""
+        """Makes the asynchronous schedule's group stream, given the journal (None: the engine's, episodes on this
+        event loop; the Ray backend's rollout workers: agentloop.cluster.ray_rollout)."""
         # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
         self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
@@ -349,6 +358,8 @@ class Trainer:
             except ValueError as e:
                 raise TrainingError(f"step {step}: {e}") from e
             await self.learner.submit(step, batch, data_position=data_state)
+        if self.journal is not None:  # its groups are the mailbox's now: their journal records can go
+            self.journal.trained(step, step_uids(records), data_state)
         try:
             upd, t_learn, t_sync = await self.learner_update(step)
         except LearnerError as e:
@@ -373,6 +384,8 @@ class Trainer:
                     "server/prefix_cache_hit_rate": step_cached / step_prompt if step_prompt else 0.0,
                     "server/flushes_refused": g["server/flushes_refused"],
                     **self.loop_lag.gauges(reset=True)})
+        if self.journal_rows is not None:
+            row.update(self.journal_rows.row())
         if self.cfg.train.val_every and self.val_samples and (step % self.cfg.train.val_every == 0
                                                               or step == self.cfg.train.steps):
             row.update(await self.validate(step))
@@ -405,10 +418,12 @@ class Trainer:
         for step in range(first, self.cfg.train.steps + 1):
             t0 = time.monotonic()
             batch = self.cursor.take(B)
+            if self.journal is not None:  # a journaled group goes on where it stood (its attempt: its seeds)
+                batch = [self.journal.resumed_sample(s) for s in batch]
             path = self.run_dir / "rollouts" / f"step-{step:06d}.jsonl"
             path.unlink(missing_ok=True)  # partial rollouts of the step in flight at a kill
             with RecordWriter(path) as writer:  # each record as it ends: a stopped run keeps them
-                res = await self.engine.run(batch, step=step, on_record=writer)
+                res = await self.engine.run(batch, step=step, on_record=writer, journal=self.journal)
             if res.stopped:
                 raise TrainingError(f"rollouts of step {step} stopped: {res.stopped}")
             t_roll = time.monotonic() - t0
@@ -426,12 +441,15 @@ class Trainer:
         sched: AsyncSchedule[GroupOutcome] = AsyncSchedule(B, cfg.train.max_staleness,
                                                            total=(cfg.train.steps - first + 1) * B,
                                                            first_step=first, infra_retries=INFRA_RETRIES)
-        stream = self.streams() if self.streams is not None else self.engine.stream()
+        journal = self.journal
+        stream = self.streams(journal) if self.streams is not None else self.engine.stream(journal=journal)
         changed = asyncio.Event()
 
         def carry_out(cmds: list[Command]) -> None:
             for c in cmds:
                 if isinstance(c, Retry):
+                    if journal is not None:  # given out again as another attempt: this one is void
+                        journal.group_dropped(c.sample.group_uid, c.sample.attempt, "given out again")
                     self.cursor.retry(c.sample)
                 else:
                     stream.cancel(c.uid, c.reason)
@@ -441,6 +459,8 @@ class Trainer:
                 k = sched.admit()
                 if k and not stream.stopped:
                     for s in self.cursor.take(k):
+                        if journal is not None:  # a journaled group goes on where it stood (its attempt: its seeds)
+                            s = journal.resumed_sample(s)
                         stream.submit(s, n)
                         sched.started(s)
                 changed.clear()
@@ -529,6 +549,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
     pool = backend.server_pool(cfg, model_path, run_dir)
     learner = backend.learner(cfg, run_dir, model_path)
     final: dict[str, Any] = {"run_dir": str(run_dir), "model": str(model_path)}
+    journal = None
     kv_tokens: list[int | None] = []
     sched = (f"async, max_staleness {cfg.train.max_staleness}, interrupt {cfg.train.interrupt}"
              if cfg.train.schedule == "async" else "sync")
@@ -565,6 +586,10 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                       "checkpoint's data position was stored for; going on from that position over the new rows",
                       file=sys.stderr, flush=True)
             recover_step_rows(log, first, learner, run_dir)
+            staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
+            journal = open_run_journal(cfg, run_dir, model_path, cursor, first=first,
+                                       floor_version=staleness.min_version(first) if first > 1 else None,
+                                       say=lambda line: print(f"agentloop train: {line}", file=sys.stderr, flush=True))
             engine = RolloutEngine(cfg, sm, tokenizer, loop_cls, scorer=scorer, progress=False)
             layout = BatchLayout.from_json(info.layout) if info.layout else BatchLayout(world=info.world_size)
             streams = await backend.rollout_streams(cfg, sm, model_path, run_dir)
@@ -573,7 +598,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                       "rollout worker(s) (Ray actors), this process makes the servers' admin calls",
                       file=sys.stderr, flush=True)
             trainer = Trainer(cfg, run_dir, sm, engine, learner, log, cursor, val_samples, layout=layout,
-                              stage=lambda w: pool.stage(w.path, w.host), streams=streams)
+                              stage=lambda w: pool.stage(w.path, w.host), streams=streams, journal=journal)
             sm.set_resync(trainer.weights.resync)
             await align_served_weights(sm, served, model_path, first)  # fresh run: every server at version 0
             if first == 1 and info.probe and cfg.train.server_logprob_tol is not None:
@@ -605,6 +630,8 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             final.update(trainer.final)
             final.update(await finish_learner(cfg, learner))
     finally:
+        if journal is not None:
+            journal.close()
         await scorer.close()
         try:
             final["learner_exit"] = await learner.close()
