@@ -7,6 +7,7 @@ the model on the task as each harness renders it (agentloop.models.warmstart.ren
 """
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -29,7 +30,9 @@ def main() -> None:
     for item in kv:
         k, v = item.split("=", 1)
         fields[k] = json.loads(v) if v[:1] in "0123456789.-[{" or v in ("true", "false") else v
-    spec = WarmStartSpec(device="cuda", **fields)
+    fields.setdefault("device", "cuda")  # device=cpu: the script's own smoke run, small sizes
+    spec = WarmStartSpec(**fields)
+    dev, n_eval = spec.device, int(os.environ.get("WARM_N_EVAL", "128"))
     cache = Path(out) / "cache"
     base = ensure_tiny_model(cache)
     t0 = time.monotonic()
@@ -38,13 +41,13 @@ def main() -> None:
     stats = {"name": name, "spec": spec.model_dump(mode="json"), "digest": model_dir.name, "base": base.name,
              "build_s": build_s}
     for temp in (1.0, 0.0):
-        s = evaluate_tool_use(model_dir, n=128, temperature=temp, device="cuda")
+        s = evaluate_tool_use(model_dir, n=n_eval, temperature=temp, device=dev)
         stats[f"T{temp:g}"] = s.model_dump(exclude={"examples"})
         stats[f"T{temp:g}_examples"] = s.examples[:3]
     if "--renderings" in kv_flags:  # the task as each harness renders it (renderings.py), sampled at T=1
         from agentloop.models.warmstart.renderings import renderings
 
-        stats["by_rendering_T1"] = {name: evaluate_tool_use(model_dir, n=128, temperature=1.0, device="cuda",
+        stats["by_rendering_T1"] = {name: evaluate_tool_use(model_dir, n=n_eval, temperature=1.0, device=dev,
                                                             rendering=name).model_dump(exclude={"examples"})
                                     for name in renderings()}
     (Path(out) / f"{name}.json").write_text(json.dumps(stats, indent=2))
