@@ -580,16 +580,21 @@ class Rows:
             why = []
             if med["ratio"] < 0.95:
                 why.append(f"engine/bare {med['ratio']:.3f} < 0.95")
-            if e["errors"] or b["errors"]:
+            if e["errors"]:  # the bare client's own errors (it opens every connection at once) are its figure's
                 why.append(f"errors engine {e['errors']} bare {b['errors']}")
-            if e.get("conn_wait_max_s", 0.0) > 5.0:
-                why.append(f"a request waited {e['conn_wait_max_s']:.1f} s for a connection")
+            # Waiting in line for a connection is by design (connections per server are bounded by what it accepts:
+            # requests past that wait in our line instead of its queue, and throughput is the ratio's to judge); a
+            # stall is a slow connect: an overflowing listen backlog drops SYNs, retransmitted after 1 s, 3 s, ...
+            if e.get("connect_max_s", 0.0) > 1.0 or e.get("connect_retries", 0):
+                why.append(f"a connect took {e.get('connect_max_s', 0.0):.1f} s ({e.get('connect_retries', 0)} "
+                           "retried): the server's listen backlog overflowed")
             if e["lag_p99_ms"] >= 20.0:
                 why.append(f"loop lag p99 {e['lag_p99_ms']:.1f} ms >= 20")
             row.figure = (f"{e['episodes']} episodes, engine/bare {med['ratio']:.3f} ({e['episodes_per_s']:.0f} vs "
-                          f"{b['episodes_per_s']:.0f} ep/s), errors {e['errors']}/{b['errors']}, longest wait for a "
-                          f"connection {e.get('conn_wait_max_s', 0.0):.2f} s, lag p99 {e['lag_p99_ms']:.1f} ms, "
-                          f"{e.get('ejections', 0)} ejections")
+                          f"{b['episodes_per_s']:.0f} ep/s), errors {e['errors']}/{b['errors']}, longest connect "
+                          f"{e.get('connect_max_s', 0.0):.2f} s ({e.get('connect_retries', 0)} retried), longest wait "
+                          f"in line for a connection {e.get('conn_wait_max_s', 0.0):.2f} s, "
+                          f"lag p99 {e['lag_p99_ms']:.1f} ms, {e.get('ejections', 0)} ejections")
             if why:
                 fails[kind] = "; ".join(why)
         r_tool.status = "FAIL" if "tool" in fails else "PASS"

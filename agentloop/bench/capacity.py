@@ -244,7 +244,8 @@ async def _engine_side(spec: dict[str, Any]) -> dict[str, Any]:
                    "requests": int(g["server/requests"]), "retries": int(g["server/retries"]),
                    "ejections": int(g["server/ejections"]), "conn_opened": int(g["server/conn_opened"]),
                    "connect_retries": int(g["server/connect_retries"]), "conn_wait_p99_s": g["server/conn_wait_p99_s"],
-                   "conn_wait_max_s": g["server/conn_wait_max_s"], "steps_deferred": engine.gate.budget.deferred})
+                   "conn_wait_max_s": g["server/conn_wait_max_s"], "connect_max_s": g.get("server/connect_max_s", 0.0),
+                   "steps_deferred": engine.gate.budget.deferred})
     return result
 
 
@@ -342,6 +343,7 @@ def summarize_kind(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     eng = [r["engine"] for r in rounds]
     # the engine's connections: the longest any request waited for one, SYNs retried, servers ejected (all rounds)
     out["engine"]["conn_wait_max_s"] = max((row.get("conn_wait_max_s", 0.0) for row in eng), default=0.0)
+    out["engine"]["connect_max_s"] = max((row.get("connect_max_s", 0.0) for row in eng), default=0.0)
     out["engine"]["connect_retries"] = sum(row.get("connect_retries", 0) for row in eng)
     out["engine"]["ejections"] = sum(row.get("ejections", 0) for row in eng)
     out["ratio"] = median(r["engine"]["episodes_per_s"] / r["bare"]["episodes_per_s"] for r in rounds)
@@ -478,7 +480,8 @@ def format_capacity(report: dict[str, Any]) -> str:
                          f"{m['kb_per_inflight_episode']:>10.1f} {m['errors']:>6}")
         e = med["engine"]
         lines.append(f"  {kind:<6} engine/bare episodes/s {med['ratio']:.3f} (median of {med['rounds']} rounds; "
-                     f"target >= 0.95); engine: longest wait for a connection {e.get('conn_wait_max_s', 0.0):.2f} s, "
+                     f"target >= 0.95); engine: longest wait for a connection {e.get('conn_wait_max_s', 0.0):.2f} s "
+                     f"(in line for a slot, connecting), longest connect {e.get('connect_max_s', 0.0):.2f} s, "
                      f"{e.get('connect_retries', 0)} connects retried, {e.get('ejections', 0)} ejections")
         if JOURNAL_SIDE in med:
             j = med[JOURNAL_SIDE]

@@ -310,7 +310,11 @@ class Http1Pool:
         self.waits: deque[float] = deque(maxlen=8192)
         """Seconds the latest requests waited for a connection (in line, connecting): each request's one."""
         self.wait_max_s = 0.0
-        """The longest wait for a connection so far."""
+        """The longest wait for a connection so far: in line for a slot (by design: connections per server are bounded
+        by what it accepts, so requests past that wait here instead of in its queue) plus connecting."""
+        self.connect_max_s = 0.0
+        """The longest TCP connect so far (handshake, retries included): what a server's overflowing listen backlog
+        would show (SYN retransmission waits 1 s, then 3 s, ...), unlike waiting in line."""
 
     def _target(self, url: str) -> tuple[str, int, bytes]:
         t = self._targets.get(url)
@@ -345,7 +349,8 @@ class Http1Pool:
 
     async def _connect(self, host: str, port: int, timeout: float) -> _Conn:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        t0 = loop.time()
+        deadline = t0 + timeout
         while True:
             left = deadline - loop.time()
             attempt = min(left, self.connect_attempt_s) if self.connect_attempt_s > 0 else left
@@ -354,6 +359,7 @@ class Http1Pool:
                 # midway must not release a slot the caller releases itself
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(lambda: _Conn(None, self.max_body), host, port), max(0.001, attempt))
+                self.connect_max_s = max(self.connect_max_s, loop.time() - t0)
                 return conn  # type: ignore[return-value]
             except asyncio.TimeoutError:
                 if deadline - loop.time() <= 0.001:
@@ -476,12 +482,13 @@ class Http1Pool:
         return status, answer
 
     def stats(self) -> dict[str, float]:
-        """Connection numbers for gauges: open, opened, connect retries, waits for a connection (p99, max)."""
+        """Connection numbers for gauges: open, opened, connect retries, waits for a connection (p99, max), the
+        longest connect."""
         waits = sorted(self.waits)
         p99 = waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else 0.0
         return {"conn_open": float(self.open_connections()), "conn_opened": float(self.opened),
                 "connect_retries": float(self.connect_retries), "conn_wait_p99_s": p99,
-                "conn_wait_max_s": self.wait_max_s}
+                "conn_wait_max_s": self.wait_max_s, "connect_max_s": self.connect_max_s}
 
     def close(self) -> None:
         """Close every idle connection; connections in use close when their request ends."""
