@@ -648,27 +648,6 @@ class Rows:
         check_plan(r, run)
 
 
-def check_plan(r: Row, run: Path) -> None:
-    """The plan's learner peak against the measured one (a run's train_summary.json): the plan must not be below
-    the measured allocated peak (an under-planned learner runs out of memory) nor more than 15% above it."""
-    plan = summary(run).get("plan") if run.is_dir() else None
-    if not plan:
-        raise Failed("the separate local run made no plan (or did not run)")
-    measured = plan.get("measured") or {}
-    pred, meas = plan.get("learner_peak_gib"), measured.get("learner_peak_gib")
-    if not pred or not meas:
-        raise Failed(f"no learner peak to compare (planned {pred}, measured {meas})")
-    err = (pred - meas) / meas
-    kv_plan, kv = plan.get("server_kv_tokens"), measured.get("server_kv_tokens")
-    r.data = {"planned_gib": pred, "measured_gib": meas, "reserved_gib": measured.get("learner_reserved_gib"),
-              "error": err, "kv_planned": kv_plan, "kv_measured": kv}
-    reserved = measured.get("learner_reserved_gib")
-    r.figure = (f"learner peak planned {pred:.2f} GiB, measured {meas:.2f} GiB allocated ({100 * err:+.1f}%)"
-                + (f", {reserved:.2f} GiB reserved" if reserved else "") + f"; KV pool planned {kv_plan} tokens, "
-                f"the server's {kv}")
-    if err < 0 or err > 0.15:
-        raise Failed(r.figure + " (the plan must cover the peak, within 15%)")
-
     def kill_server(self, r: Row) -> None:
         """Ray (a head started here, `ray start --head`, the README's way), two server actors on GPU 0, the learner on
         GPU 1: one server actor killed while step 2's groups run; every group whole, the run finishes."""
@@ -789,6 +768,28 @@ def check_plan(r: Row, run: Path) -> None:
                 else:
                     parts.append(f"{shape}: no one-rank run of part one to compare with")
         r.figure = "; ".join(parts)
+
+
+def check_plan(r: Row, run: Path) -> None:
+    """The plan's learner peak against the measured one (a run's train_summary.json): the plan must not be below
+    the measured allocated peak (an under-planned learner runs out of memory) nor more than 15% above it."""
+    plan = summary(run).get("plan") if run.is_dir() else None
+    if not plan:
+        raise Failed("the separate local run made no plan (or did not run)")
+    measured = plan.get("measured") or {}
+    pred, meas = plan.get("learner_peak_gib"), measured.get("learner_peak_gib")
+    if not pred or not meas:
+        raise Failed(f"no learner peak to compare (planned {pred}, measured {meas})")
+    err = (pred - meas) / meas
+    kv_plan, kv = plan.get("server_kv_tokens"), measured.get("server_kv_tokens")
+    r.data = {"planned_gib": pred, "measured_gib": meas, "reserved_gib": measured.get("learner_reserved_gib"),
+              "error": err, "kv_planned": kv_plan, "kv_measured": kv}
+    reserved = measured.get("learner_reserved_gib")
+    r.figure = (f"learner peak planned {pred:.2f} GiB, measured {meas:.2f} GiB allocated ({100 * err:+.1f}%)"
+                + (f", {reserved:.2f} GiB reserved" if reserved else "") + f"; KV pool planned {kv_plan} tokens, "
+                f"the server's {kv}")
+    if err < 0 or err > 0.15:
+        raise Failed(r.figure + " (the plan must cover the peak, within 15%)")
 
 
 def _short(shape: str) -> str:
