@@ -356,7 +356,7 @@ def test_step_log_resume_at(tmp_path):
     # checkpoint_every=2, killed after step 5 was logged, resumed from checkpoint 2: steps 3..5 are redone
     write_rows([0, 1, 2, 3, 4, 5])
     log = StepLog(cfg, tmp_path)
-    recover_step_rows(log, 3, FileLearner(tmp_path), tmp_path)
+    asyncio.run(recover_step_rows(log, 3, FileLearner(tmp_path), tmp_path))
     assert [r["step"] for r in log.rows] == [0, 1, 2]
     assert [json.loads(ln)["step"] for ln in _lines(metrics)] == [0, 1, 2]
 
@@ -367,16 +367,16 @@ def test_step_log_resume_at(tmp_path):
     paths.step_dir(3).mkdir(parents=True)
     (paths.done(3)).write_text(json.dumps({"step": 3, "metrics": {"actor/grad_norm": 0.25, "note": "x"}}))
     log = StepLog(cfg, tmp_path)
-    recover_step_rows(log, 4, FileLearner(tmp_path), tmp_path)
+    asyncio.run(recover_step_rows(log, 4, FileLearner(tmp_path), tmp_path))
     rows = [json.loads(ln) for ln in _lines(metrics)]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows == log.rows
     assert rows[-1]["learner/actor/grad_norm"] == 0.25 and rows[-1]["train/reward"] == 0.5
     assert rows[-1]["train/episodes"] == 2.0 and "learner/note" not in rows[-1]
-    recover_step_rows(log, 4, FileLearner(tmp_path), tmp_path)  # idempotent
+    asyncio.run(recover_step_rows(log, 4, FileLearner(tmp_path), tmp_path))  # idempotent
     assert [json.loads(ln)["step"] for ln in _lines(metrics)] == [0, 1, 2, 3]
 
     # nothing survives a restart from scratch (the step-0 validation line is written again)
-    recover_step_rows(log, 1, FileLearner(tmp_path), tmp_path)
+    asyncio.run(recover_step_rows(log, 1, FileLearner(tmp_path), tmp_path))
     assert log.rows == [] and _lines(metrics) == []
 
 

@@ -227,8 +227,8 @@ class FileLearner(LearnerHandle):
     async def wait_update(self, step: int, timeout_s: float) -> Any:
         return await asyncio.to_thread(self.client.wait_update, step, timeout_s)
 
-    def finished_metrics(self, step: int) -> dict[str, float] | None:
-        return self.client.finished_metrics(step)
+    async def finished_metrics(self, step: int) -> dict[str, float] | None:
+        return await asyncio.to_thread(self.client.finished_metrics, step)
 
     async def weights(self, step: int) -> WeightsOnDisk | None:
         d = self.paths.weights(step)
@@ -242,10 +242,10 @@ class FileLearner(LearnerHandle):
         return FinalResult(step=done.get("step"), weights_dir=done.get("weights_dir"),
                            checkpoint=done.get("checkpoint"))
 
-    def failure_context(self) -> str:
+    async def failure_context(self) -> str:
         if self.process is None:
             return ""
-        return f"--- learner.log tail ---\n{self.process.log_tail()}"
+        return f"--- learner.log tail ---\n{await asyncio.to_thread(self.process.log_tail)}"
 
     def where(self) -> str:
         if self.process is None:

@@ -189,7 +189,7 @@ def _write_records(path: Path, records: list[EpisodeRecord]) -> None:
             writer(r)
 
 
-def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir: Path) -> None:
+async def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir: Path) -> None:
     """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
     e.g. after the last checkpoint), and log a step < first that the learner finished but that
     has no line (killed between its update and its line) from its rollouts and the learner's metrics."""
@@ -197,7 +197,7 @@ def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir:
     last = first - 1
     recs = run_dir / "rollouts" / f"step-{last:06d}.jsonl"
     if last >= 1 and not any(r.get("step") == last for r in log.rows) and recs.is_file() \
-            and (metrics := learner.finished_metrics(last)) is not None:
+            and (metrics := await learner.finished_metrics(last)) is not None:
         row: dict[str, Any] = {"step": float(last), **rollout_metrics(list(read_records(recs)), "train")}
         row.update({f"learner/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
         log.log(row)
@@ -363,7 +363,7 @@ class Trainer:
         try:
             upd, t_learn, t_sync = await self.learner_update(step)
         except LearnerError as e:
-            raise TrainingError(f"learner failed at step {step}: {e}\n{self.learner.failure_context()}") from e
+            raise TrainingError(f"learner failed at step {step}: {e}\n{await self.learner.failure_context()}") from e
         checks["train/groups_dropped_infra"] += extra.pop("_groups_dropped_infra", 0)
         row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
         row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
@@ -568,7 +568,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             try:
                 info = await learner.wait_ready(cfg.train.learner_ready_timeout_s)
             except AgentLoopError as e:
-                raise TrainingError(f"learner did not start: {e}\n{learner.failure_context()}") from e
+                raise TrainingError(f"learner did not start: {e}\n{await learner.failure_context()}") from e
             try:
                 # A resumed learner first trains the batches submitted before the stop: the run goes on from
                 # where that leaves it (reading next_step any earlier races the learner, pairs it with another
@@ -576,7 +576,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 info = await learner.wait_caught_up(cfg.train.update_timeout_s)
             except AgentLoopError as e:
                 raise TrainingError(f"learner failed on a batch submitted before the stop: {e}\n"
-                                    f"{learner.failure_context()}") from e
+                                    f"{await learner.failure_context()}") from e
             first = info.next_step
             position = info.data_position
             cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
@@ -585,7 +585,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 print(f"agentloop train: --force-data: the training rows ({data.train_source}) differ from those the "
                       "checkpoint's data position was stored for; going on from that position over the new rows",
                       file=sys.stderr, flush=True)
-            recover_step_rows(log, first, learner, run_dir)
+            await recover_step_rows(log, first, learner, run_dir)
             staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
             journal = open_run_journal(cfg, run_dir, model_path, cursor, first=first,
                                        floor_version=staleness.min_version(first) if first > 1 else None,
@@ -653,7 +653,7 @@ async def finish_learner(cfg: Config, learner: LearnerHandle) -> dict[str, Any]:
     try:
         done = await learner.wait_final(cfg.train.update_timeout_s)
     except LearnerError as e:
-        raise TrainingError(f"the learner did not save the final model: {e}\n{learner.failure_context()}") from e
+        raise TrainingError(f"the learner did not save the final model: {e}\n{await learner.failure_context()}") from e
     return {"last_weights": done.weights_dir, "checkpoint": done.checkpoint}
 
 
