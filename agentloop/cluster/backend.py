@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -20,6 +20,7 @@ from agentloop.cluster.ray_servers import NAMESPACE, RayServerPool
 from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.inference.serving import ServerPool, UrlPool
+from agentloop.rollout.stream import GroupStreamProtocol
 from agentloop.train.handle.protocol import LearnerHandle
 from agentloop.train.orchestrator.backend import Backend
 
@@ -89,7 +90,8 @@ class RayBackend(Backend):
         return RayLearner(cfg, run_dir, model_path, run=self.run_name(run_dir), gpus=gpus,
                           placement_group=self._pg())
 
-    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path, run_dir: Path) -> Any:
+    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path,
+                              run_dir: Path) -> Callable[[Any], GroupStreamProtocol] | None:
         """`cluster.rollout_workers` engine processes (agentloop.cluster.ray_rollout) whose managers follow `sm`,
         stopped when `sm` closes; None without them. The result makes a stream (given the run's episode journal,
         or None)."""

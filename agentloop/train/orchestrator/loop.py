@@ -16,7 +16,7 @@ Parts elsewhere: the schedule's rules (schedule: Staleness, Admission, GroupBuff
 object `run_async` drives), the episode journal (journaling, agentloop.journal), LearnerProcess (learner_process),
 DataCursor (cursor), the step's batch (agentloop.train.batch), the learner handle (agentloop.train.handle), StepLog
 and the progress line
-(agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
+(agentloop.report), the group stream (agentloop.rollout.stream.GroupStreamProtocol), the model checks before anything
 starts (agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
 
 Versions: v = the weights after v learner updates (initial: 0). Step s trains version s-1 into s;
@@ -61,7 +61,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from agentloop.config import Config, validate_for_training
 from agentloop.data import TrainData, load_train_data
@@ -76,6 +76,7 @@ from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
 from agentloop.rollout.engine import GroupOutcome, RolloutEngine
 from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer
+from agentloop.rollout.stream import GroupStreamProtocol
 from agentloop.server_manager import ServerManager, parse_version
 from agentloop.tools.sandbox import require_isolation
 from agentloop.train.batch.format import BatchLayout
@@ -248,7 +249,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
                  learner: LearnerHandle, log: StepLog, cursor: DataCursor, val_samples: list[Sample], *,
-                 layout: BatchLayout | None = None, stage: Stage = same_path, streams: Any = None,
+                 layout: BatchLayout | None = None, stage: Stage = same_path,
+                 streams: Callable[[Any], GroupStreamProtocol] | None = None,
                  journal: Any = None):
         self.cfg = cfg
         self.run_dir = run_dir
@@ -442,7 +444,8 @@ class Trainer:
                                                            total=(cfg.train.steps - first + 1) * B,
                                                            first_step=first, infra_retries=INFRA_RETRIES)
         journal = self.journal
-        stream = self.streams(journal) if self.streams is not None else self.engine.stream(journal=journal)
+        stream: GroupStreamProtocol = (self.streams(journal) if self.streams is not None
+                                       else self.engine.stream(journal=journal))
         changed = asyncio.Event()
 
         def carry_out(cmds: list[Command]) -> None:
