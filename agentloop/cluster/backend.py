@@ -47,7 +47,7 @@ class RayBackend(Backend):
             kw: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
             if c.address is None:
                 # Logical CPUs only schedule actors: a small host still places every server and learner rank.
-                need = (self.cfg.server.num_local + self.cfg.learner.nproc + c.rollout_workers) * c.cpus_per_actor
+                need = (self.cfg.server.num_local + self.cfg.learner.world_size + c.rollout_workers) * c.cpus_per_actor
                 kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
             else:
                 use_ray_token(c.address)
@@ -67,7 +67,7 @@ class RayBackend(Backend):
 
             c = self.cfg.cluster
             bundle = {"CPU": 2 * c.cpus_per_actor, **({"GPU": 1.0} if self._gpus else {}), **c.learner_resources}
-            self.placement_group = placement_group([dict(bundle) for _ in range(self.cfg.learner.nproc)],
+            self.placement_group = placement_group([dict(bundle) for _ in range(self.cfg.learner.world_size)],
                                                    strategy="SPREAD" if c.placement == "spread" else "PACK")
         return self.placement_group
 

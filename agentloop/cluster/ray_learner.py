@@ -279,7 +279,7 @@ class RayLearner(LearnerHandle):
         self.model_path = model_path
         self.run = run
         self.gpus = gpus
-        self.world = cfg.learner.nproc
+        self.world = cfg.learner.world_size
         self.learner_dir = cfg.cluster.learner_dir or str(run_dir)
         self.poll_s = poll_s
         self.query_timeout_s = query_timeout_s

@@ -1,5 +1,5 @@
 """`GroupStreamProtocol`: the stream of GRPO groups that the asynchronous schedule drives
-(agentloop.train.orchestrator.loop, `Trainer.run_async`), whichever process runs the episodes.
+(agentloop.train.orchestrator.loop, `Trainer.run_async_schedule`), whichever process runs the episodes.
 
 Implementations, the same members with the same signatures (checked by tests/unit/rollout/test_stream.py):
     agentloop.rollout.engine.GroupStream       the episodes on this event loop (`RolloutEngine.stream`)

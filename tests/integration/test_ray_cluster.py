@@ -312,7 +312,7 @@ def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(node
     from agentloop.config import load_config
     from agentloop.errors import ConfigError
 
-    cfg = load_config(None, ["cluster.backend=ray", f"cluster.address={nodes.address}", "learner.nproc=2",
+    cfg = load_config(None, ["cluster.backend=ray", f"cluster.address={nodes.address}", "learner.ranks=2",
                              "cluster.placement=spread", "learner.device=cpu"])
     ray = _ray()
     ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)

@@ -1,23 +1,23 @@
 """`agentloop train`: rollouts -> learner update -> weight push, on one event loop.
 
 Map:
-    train_async        the run: data, model, learner process, servers, then one of the schedules
+    train_async        the run (a coroutine): data, model, learner process, servers, then one of the schedules
     Trainer            what both schedules share: submit a batch, wait for the learner, push its weights
                        (pause in `train.interrupt` mode -> update -> resume), check versions, log a step
-    Trainer.run_sync   the synchronous schedule: roll out a step's prompts, train, push, repeat
-    Trainer.run_async  the asynchronous schedule (train.schedule=async): a producer keeps groups in flight
-                       under the admission rule, the learner trains as soon as B eligible groups are
+    Trainer.run_sync_schedule   the synchronous schedule: roll out a step's prompts, train, push, repeat
+    Trainer.run_async_schedule  the asynchronous schedule (train.schedule=async): a producer keeps groups in
+                       flight under the admission rule, the learner trains as soon as B eligible groups are
                        ready, too-stale groups are cancelled early and their prompts given out again
     rollout_metrics    a step's records -> train/... or val/... numbers
     version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
     finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
 Parts elsewhere: the schedule's rules (schedule: Staleness, Admission, GroupBuffer, and AsyncSchedule, the
-object `run_async` drives), the episode journal (journaling, agentloop.journal), LearnerProcess (learner_process),
-DataCursor (cursor), the step's batch (agentloop.train.batch), the learner handle (agentloop.train.handle), StepLog
-and the progress line
-(agentloop.report), the group stream (agentloop.rollout.stream.GroupStreamProtocol), the model checks before anything
-starts (agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
+object `run_async_schedule` drives), the episode journal (journaling, agentloop.journal), LearnerProcess
+(learner_process), DataCursor (cursor), the step's batch (agentloop.train.batch), the learner handle
+(agentloop.train.handle), StepLog and the progress line (agentloop.report), the group stream
+(agentloop.rollout.stream.GroupStreamProtocol), the model checks before anything starts
+(agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
 
 Versions: v = the weights after v learner updates (initial: 0). Step s trains version s-1 into s;
 with `train.max_staleness` η every trained token was sampled by a version in [s-1-η, s-1]
@@ -414,7 +414,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the synchronous schedule
 
-    async def run_sync(self, first: int) -> None:
+    async def run_sync_schedule(self, first: int) -> None:
         B = self.cfg.train.prompts_per_step
         self.loop_lag.start()
         for step in range(first, self.cfg.train.steps + 1):
@@ -433,7 +433,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the asynchronous schedule
 
-    async def run_async(self, first: int) -> None:
+    async def run_async_schedule(self, first: int) -> None:
         """Drive the schedule's object (schedule.AsyncSchedule): a producer admits prompts as it allows, a
         collector reports finished groups, the step loop takes batches; its commands (give a prompt out again,
         cancel a running group) are carried out here, on the cursor and the stream."""
@@ -626,9 +626,9 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 emit(progress_line(0, cfg.train.steps, "steps", fmt_fields(
                     row, _PROGRESS_LABELS, ["val/reward", "val/accuracy", "val/tool_call_rate"])))
             if cfg.train.schedule == "sync":
-                await trainer.run_sync(first)
+                await trainer.run_sync_schedule(first)
             else:
-                await trainer.run_async(first)
+                await trainer.run_async_schedule(first)
             await trainer.loop_lag.stop()
             final.update(trainer.final)
             final.update(await finish_learner(cfg, learner))

@@ -34,7 +34,7 @@ SGLang's static pool (weights + KV) is mem_fraction_static x the GPU memory free
 (sglang/srt/mem_cache/kv_cache_configurator.py: free - free x (1 - fraction)); a learner that already holds
 memory then leaves the server less, never more, so the fraction is taken of the free memory at plan time.
 
-Placement, when neither server.gpus nor learner.gpus is set: with enough GPUs (learner.nproc + local
+Placement, when neither server.gpus nor learner.gpus is set: with enough GPUs (learner.ranks + local
 servers), learner ranks on the first GPUs and the servers on the next ones (separate, weights over nccl);
 else server i on GPU i and learner rank r on GPU r (colocated, weights over CUDA IPC: tensor).
 
@@ -156,6 +156,7 @@ class LearnerSetup:
     """The learner settings its memory depends on."""
 
     nproc: int = 1
+    """The learner's ranks on the planned host (learner.ranks / learner.nnodes: torchrun's --nproc-per-node)."""
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
     compile: bool = False
@@ -337,7 +338,7 @@ def _advice(model: ModelShape, setup: LearnerSetup, longest: int, room: float) -
         gc = learner_memory(model, replace(setup, gradient_checkpointing=True), longest)
         if gc.need < mem.need:
             says.append(f"learner.gradient_checkpointing=true (~{gc.need:.1f} GiB per rank)")
-    says.append("more GPUs (learner.nproc, cluster.num_gpus; servers on GPUs of their own)")
+    says.append("more GPUs (learner.ranks, cluster.num_gpus; servers on GPUs of their own)")
     says.append("a smaller model")
     return "; ".join(says)
 
@@ -352,8 +353,8 @@ def make_plan(model: ModelShape, learner: LearnerSetup, servers: ServerSetup, wo
     notes: list[str] = []
     lg, sg = _placement(n, learner.nproc, learner_gpus, servers, learner_on_gpu)
     if learner_on_gpu and learner.nproc > n:
-        problems.append(f"learner.nproc={learner.nproc} ranks need {learner.nproc} GPUs, the plan has {n} "
-                        "(cluster.num_gpus, or the visible ones)")
+        problems.append(f"{learner.nproc} learner ranks on this host (learner.ranks / learner.nnodes) need "
+                        f"{learner.nproc} GPUs, the plan has {n} (cluster.num_gpus, or the visible ones)")
     for key, gpus in (("learner.gpus", lg), ("server.gpus", sg)):
         bad = sorted({g for g in gpus if g >= n or g < 0})
         if bad:
@@ -480,7 +481,7 @@ def make_plan(model: ModelShape, learner: LearnerSetup, servers: ServerSetup, wo
         sync = "tensor" if all(g in lg for g in sg) else "nccl"
     if learner_on_gpu and n > len(set(lg) | set(sg)):
         unused = sorted(set(range(n)) - set(lg) - set(sg))
-        notes.append(f"GPU(s) {unused} are not used (learner.nproc={learner.nproc}, {servers.count} local server(s))")
+        notes.append(f"GPU(s) {unused} are not used ({learner.nproc} learner rank(s), {servers.count} local server(s))")
     return Plan(budgets, mem, lg, sg, colocated, fraction if servers.count else None, kv_tokens, per_server_need,
                 fit, inflight, sync, problems, notes)
 

@@ -131,7 +131,7 @@ def test_the_measured_colocated_run_fits():
 
 def test_more_learner_ranks_than_gpus_and_gpus_out_of_range_are_refused():
     p = make_plan(Q05, LearnerSetup(nproc=4), ServerSetup(count=1), W, [79.0, 79.0])
-    assert "learner.nproc=4 ranks need 4 GPUs, the plan has 2" in p.problems[0]
+    assert "4 learner ranks on this host (learner.ranks / learner.nnodes) need 4 GPUs, the plan has 2" in p.problems[0]
     q = make_plan(Q05, LearnerSetup(), ServerSetup(count=1, gpus=[3]), W, [79.0])
     assert any("server.gpus places work on GPU [3]" in m for m in q.problems)
 
