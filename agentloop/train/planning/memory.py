@@ -1,9 +1,11 @@
 """The GPU memory plan of a training run: what the learner and each server need, which GPU each goes on, and
-the settings that follow. Pure: plain numbers in, a Plan out (no torch, no GPU, no config tree); the preflight
+the settings that follow. Pure: plain numbers in, a Plan out (no GPU, no config tree; torch only for the parameter
+count, the model built on the meta device: agentloop.train.planning.meta); the preflight
 (agentloop.train.planning.preflight) reads the machine and the config, and writes the plan into the keys left unset.
 
 Map:
-    ModelShape        the sizes the memory model needs, from a Hugging Face config.json (a dict)
+    ModelShape        the sizes the memory model needs, from a Hugging Face config.json (a dict): the parameters
+                      counted on the meta device (planning.meta), the other sizes read
     LearnerSetup      the learner settings memory depends on; learner_memory -> LearnerMemory (one rank's peak)
     ServerSetup       local servers and what the user fixed of them; Workload: the episodes they must hold
     make_plan         -> Plan: placement, each GPU's budget, the server's memory fraction and KV pool, the weight
@@ -86,7 +88,8 @@ class ModelShape:
     """The sizes of a decoder-only model the memory model reads."""
 
     params: int
-    """All parameters (a tied LM head counted once)."""
+    """All parameters (a tied LM head counted once): counted on the model built on the meta device; estimated from
+    the sizes only for a dict that names no model_type transformers knows."""
     layers: int
     hidden: int
     intermediate: int
@@ -111,6 +114,7 @@ class ModelShape:
     def from_config(cls, config: Mapping[str, Any]) -> "ModelShape":
         """The shape from a config.json dict (a multimodal config's `text_config` is the language model).
         ValueError naming the key when one the model needs is missing."""
+        from agentloop.train.planning.meta import parameter_count
         c = dict(config)
         if isinstance(c.get("text_config"), Mapping):
             c = {**c, **dict(c["text_config"])}
@@ -142,7 +146,9 @@ class ModelShape:
             intermediate = dense_i
         embed = vocab * hidden
         tied = bool(c.get("tie_word_embeddings", False))
-        params = layers * (attn + mlp + 2 * hidden) + hidden + embed * (1 if tied else 2)
+        counted = parameter_count(config)
+        estimate = layers * (attn + mlp + 2 * hidden) + hidden + embed * (1 if tied else 2)
+        params = counted if counted is not None else estimate
         ctx = c.get("max_position_embeddings")
         return cls(params=params, layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab,
                    kv_heads=kv_heads, head_dim=head_dim, context=int(ctx) if isinstance(ctx, int) else None)
