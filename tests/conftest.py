@@ -63,3 +63,40 @@ def sglang_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
         yield SGLangServerHandle(url=server.url, server=server, model_path=tiny_model_path)
     finally:
         server.stop()
+
+
+@dataclass
+class RayNodes:
+    """One local Ray cluster of two simulated nodes for the whole session (`ray_nodes`)."""
+
+    address: str
+    a: Path
+    """node_a's scratch dir (its workers' TMPDIR); the node has the custom resource node_a."""
+    b: Path
+    """node_b's, with the resource node_b."""
+    driver: Path
+    """A scratch dir of the driver's own (runs' directories)."""
+
+
+@pytest.fixture(scope="session")
+def ray_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
+    """Every test that needs Ray shares this cluster (started once: a raylet pair costs tens of seconds on a loaded
+    2-core box): the handle's contract tests (tests/unit/train/test_handle.py) and the runs of
+    tests/integration/test_ray_cluster.py. Each test connects (`ray.init(address=...)`) and disconnects itself, and
+    names its actors after its own run, so none sees another's. A test that must kill a node or change the cluster's
+    settings makes its own (tests/integration/test_ray_auth.py: a `ray start` head with token auth)."""
+    pytest.importorskip("ray", reason="cluster.backend=ray needs `pip install 'agentloop[ray]'` (scripts/setup.sh)")
+    from ray.cluster_utils import Cluster
+
+    base = tmp_path_factory.mktemp("ray")
+    a, b, driver = base / "node_a", base / "node_b", base / "driver"
+    for d in (a, b, driver):
+        d.mkdir()
+    common = {"num_cpus": 4, "object_store_memory": 200 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **common, "resources": {"node_a": 4}, "env_vars": {"TMPDIR": str(a)}, "include_dashboard": False})
+    try:
+        cluster.add_node(**common, resources={"node_b": 4}, env_vars={"TMPDIR": str(b)})
+        yield RayNodes(cluster.address, a, b, driver)
+    finally:
+        cluster.shutdown()

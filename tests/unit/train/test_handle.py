@@ -168,9 +168,11 @@ class RayCarrier:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray", reason="the Ray carrier needs `pip install 'agentloop[ray]'`")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="agentloop-tests")
+def local_ray(ray_nodes):
+    """The session's local Ray cluster (tests/conftest.py), connected to for this module's tests."""
+    import ray
+
+    ray.init(address=ray_nodes.address, log_to_driver=False, namespace="agentloop-tests")
     yield
     ray.shutdown()
 
