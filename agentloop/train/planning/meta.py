@@ -12,14 +12,22 @@ experts, whatever the architecture has. A 3B model builds in well under a second
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 
 def parameter_count(config: Mapping[str, Any]) -> int | None:
     """The causal LM's parameters (module doc); None when `config` names no model_type transformers builds.
-    A multimodal config's `text_config` is the language model, as for the rest of the plan."""
-    c = dict(config)
+    A multimodal config's `text_config` is the language model, as for the rest of the plan. Built once per
+    config (the preflight's model check and its plan ask for the same one)."""
+    return _count(json.dumps(config, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=8)
+def _count(config_json: str) -> int | None:
+    c = json.loads(config_json)
     if isinstance(c.get("text_config"), Mapping):
         c = dict(c["text_config"])
     model_type = c.pop("model_type", None)
