@@ -32,6 +32,10 @@ from agentloop.models.modelzoo import ensure_tiny_model
 
 SKIP_SGLANG = os.environ.get("AGENTLOOP_SKIP_SGLANG") == "1"
 
+SERVER_START_GUARD_S = 600.0
+"""How long a test's CPU SGLang server may take to come up: a guard against a hang, never a verdict on the machine's
+speed (one took over 280 s on a 2-core box shared by four test runs)."""
+
 
 def require_sglang() -> None:
     """Skip the calling test when real SGLang servers are switched off."""
@@ -57,7 +61,8 @@ def sglang_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
     from agentloop.inference.launcher import LocalServer
 
     log = tmp_path_factory.mktemp("sglang") / "server.log"
-    server = LocalServer(tiny_model_path, device="cpu", log_path=log, startup_timeout_s=280).start()
+    # a hang guard, not a verdict: on a loaded 2-core box the CPU server took over 280 s to come up
+    server = LocalServer(tiny_model_path, device="cpu", log_path=log, startup_timeout_s=SERVER_START_GUARD_S).start()
     try:
         asyncio.run(server.wait_ready())
         yield SGLangServerHandle(url=server.url, server=server, model_path=tiny_model_path)
