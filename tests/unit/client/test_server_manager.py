@@ -385,13 +385,18 @@ def test_idle_pooled_connections_expire_before_the_servers_keepalive(monkeypatch
     does not send on connections the server is about to close: a request after the idle time opens a
     new connection, one right after it reuses that one. The idle time passes on the pool's clock (moved
     forward), so no verdict depends on how fast this machine runs the requests."""
-    from types import SimpleNamespace
-
     from agentloop.util import http1
 
     shift = [0.0]
-    real = time.monotonic
-    monkeypatch.setattr(http1, "time", SimpleNamespace(monotonic=lambda: real() + shift[0]))
+
+    class PoolClock:  # the time module as the pool sees it: monotonic() moved forward by `shift`
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+        def monotonic(self) -> float:
+            return time.monotonic() + shift[0]
+
+    monkeypatch.setattr(http1, "time", PoolClock())
 
     async def main():
         (f,) = await start_fakes(1)
