@@ -318,7 +318,8 @@ def make_parser() -> argparse.ArgumentParser:
     btr.add_argument("--bench-seed", type=int, metavar="S", help="seed of the synthetic records (default 0)")
     btr.add_argument("--bench-max-lag", type=int, metavar="K",
                      help="give the records token versions lagging 0..K behind the step (asynchronous rollouts)")
-    btr.add_argument("--nproc", type=int, metavar="N", help="learner ranks (torchrun when > 1; = learner.nproc)")
+    btr.add_argument("--nproc", type=int, metavar="N",
+                     help="learner ranks on this host (torchrun when > 1; = learner.ranks)")
     btr.add_argument("--peak-tflops", type=float, metavar="T",
                      help="peak dense TFLOP/s per device for MFU (default: by GPU name; none on CPU)")
     btr.add_argument("--out", help="also write the report JSON here")

@@ -21,7 +21,14 @@ Map:
 
 YAML files in configs/ hold any subset of the tree; `key.sub=value` overrides (values parsed
 as YAML) are applied on top. Parsing is done before any heavy import so a typo fails in
-milliseconds with the offending key named.
+milliseconds with the offending key named; a key that was renamed or removed (MOVED_KEYS) is an
+error naming its replacement.
+
+Words. "async" in a key or value is the training schedule's alone: `train.schedule=async`, rollouts
+overlapping the learner's updates (the `async/*` metrics of a step's row). The event loop everything runs
+on is "asyncio" (an "async def" reward or loop is a coroutine function), and checkpoints written while
+training goes on are `learner.checkpoint_background`. Weights reach the servers by
+`learner.weight_sync` (disk, tensor, nccl), the one key that names the path.
 """
 
 from __future__ import annotations
@@ -288,13 +295,11 @@ class TrainConfig(Section):
     synthetic calculator traces, so RL has something to improve: it calls the calculator on about
     half the prompts at temperature 1. The SFT takes ~100 s on a GPU and hours on 2 CPU cores, so its
     GPU-built weights ship in the package and are installed into the cache (see agentloop.models.warmstart)."""
-    sync: Literal["disk"] = "disk"
-    """Weight push path: `disk` = learner saves HF weights, servers load them via /update_weights_from_disk
-    (learner.weight_sync tensor|nccl lets the learner push them itself)."""
     schedule: Literal["sync", "async"] = "async"
-    """async: rollouts never stop for the learner; a producer keeps groups in flight under the admission
-    rule, the learner trains as soon as `prompts_per_step` eligible groups are ready, and `max_staleness`
-    bounds how old a trained token's weights may be (0 reproduces the synchronous schedule exactly).
+    """The one "async" of the config (module doc). async: rollouts never stop for the learner; a producer keeps
+    groups in flight under the admission rule, the learner trains as soon as `prompts_per_step` eligible groups
+    are ready, and `max_staleness` bounds how old a trained token's weights may be (0 reproduces the synchronous
+    schedule exactly).
     sync: the plain loop (roll out a step, train, push), kept as the reference the async one is tested against."""
     max_staleness: int = Field(default=1, ge=0)
     """η: a token trained at step s was sampled by weights at most η versions older than the weights step s
@@ -471,7 +476,7 @@ def _cluster_problems(cfg: Config) -> list[str]:
         return out
     if cfg.learner.nnodes > 1:
         out.append("learner.nnodes > 1 is torchrun's own rendezvous (cluster.backend=local); with cluster.backend=ray "
-                   "the learner ranks are Ray actors placed by Ray: set learner.nproc only")
+                   "the learner ranks are Ray actors placed by Ray: set learner.ranks only")
     if ws == "tensor" and not c.colocate:
         out.append("learner.weight_sync=tensor with cluster.backend=ray needs cluster.colocate=true: CUDA IPC works "
                    "only between a learner rank and servers on its GPU; use nccl for servers elsewhere")
@@ -482,9 +487,9 @@ def _cluster_problems(cfg: Config) -> list[str]:
     if c.colocate and share > 1:
         out.append(f"cluster.colocate: a server and a learner rank share one GPU, but cluster.server_gpus + "
                    f"cluster.learner_gpus = {share:g} > 1; give them fractions that sum to at most 1 (e.g. 0.5 each)")
-    if c.colocate and not cfg.server.urls and cfg.server.num_local > cfg.learner.nproc:
+    if c.colocate and not cfg.server.urls and cfg.server.num_local > cfg.learner.world_size:
         out.append(f"cluster.colocate puts server i on learner rank i's GPU: server.num_local="
-                   f"{cfg.server.num_local} > learner.nproc={cfg.learner.nproc}")
+                   f"{cfg.server.num_local} > learner.ranks={cfg.learner.world_size}")
     if cfg.server.urls and ws == "disk" and not c.shared_fs:
         out.append("server.urls with cluster.backend=ray and learner.weight_sync=disk: servers given by URL read the "
                    "learner's weights from their own filesystem; set cluster.shared_fs=true (a shared filesystem) "
@@ -617,8 +622,15 @@ MOVED_KEYS: dict[str, str] = {
     "train.val_path": "data.val_path (the --val-data flag)",
     "train.val_builtin": "data.val_builtin",
     "train.val_max_samples": "data.val_max_samples",
+    "train.sync": "learner.weight_sync (disk, tensor, nccl; train.sync could only say disk, the default)",
+    "learner.nproc": "learner.ranks (all the learner's ranks: learner.nnodes x the ranks of one host under "
+                     "torchrun, the rank actors under Ray)",
+    "learner.checkpoint_async": "learner.checkpoint_background",
 }
-"""Keys that moved (the training rows joined the one `data` section): naming one is an error naming its new key."""
+"""Keys that moved or were renamed (the training rows joined the one `data` section; train.sync, dead, went;
+learner.nproc counted a host's ranks under torchrun but all of them under Ray; "async" is the schedule's word):
+naming one is an error naming its replacement. A resumed run's own saved config is read with them migrated
+(agentloop.train.orchestrator.resume)."""
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -32,6 +32,10 @@ from agentloop.models.modelzoo import ensure_tiny_model
 
 SKIP_SGLANG = os.environ.get("AGENTLOOP_SKIP_SGLANG") == "1"
 
+SERVER_START_GUARD_S = 600.0
+"""How long a test's CPU SGLang server may take to come up: a guard against a hang, never a verdict on the machine's
+speed (one took over 280 s on a 2-core box shared by four test runs)."""
+
 
 def require_sglang() -> None:
     """Skip the calling test when real SGLang servers are switched off."""
@@ -57,9 +61,47 @@ def sglang_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
     from agentloop.inference.launcher import LocalServer
 
     log = tmp_path_factory.mktemp("sglang") / "server.log"
-    server = LocalServer(tiny_model_path, device="cpu", log_path=log, startup_timeout_s=280).start()
+    # a hang guard, not a verdict: on a loaded 2-core box the CPU server took over 280 s to come up
+    server = LocalServer(tiny_model_path, device="cpu", log_path=log, startup_timeout_s=SERVER_START_GUARD_S).start()
     try:
         asyncio.run(server.wait_ready())
         yield SGLangServerHandle(url=server.url, server=server, model_path=tiny_model_path)
     finally:
         server.stop()
+
+
+@dataclass
+class RayNodes:
+    """One local Ray cluster of two simulated nodes for the whole session (`ray_nodes`)."""
+
+    address: str
+    a: Path
+    """node_a's scratch dir (its workers' TMPDIR); the node has the custom resource node_a."""
+    b: Path
+    """node_b's, with the resource node_b."""
+    driver: Path
+    """A scratch dir of the driver's own (runs' directories)."""
+
+
+@pytest.fixture(scope="session")
+def ray_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
+    """Every test that needs Ray shares this cluster (started once: a raylet pair costs tens of seconds on a loaded
+    2-core box): the handle's contract tests (tests/unit/train/test_handle.py) and the runs of
+    tests/integration/test_ray_cluster.py. Each test connects (`ray.init(address=...)`) and disconnects itself, and
+    names its actors after its own run, so none sees another's. A test that must kill a node or change the cluster's
+    settings makes its own (tests/integration/test_ray_auth.py: a `ray start` head with token auth)."""
+    pytest.importorskip("ray", reason="cluster.backend=ray needs `pip install 'agentloop[ray]'` (scripts/setup.sh)")
+    from ray.cluster_utils import Cluster
+
+    base = tmp_path_factory.mktemp("ray")
+    a, b, driver = base / "node_a", base / "node_b", base / "driver"
+    for d in (a, b, driver):
+        d.mkdir()
+    common = {"num_cpus": 4, "object_store_memory": 200 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **common, "resources": {"node_a": 4}, "env_vars": {"TMPDIR": str(a)}, "include_dashboard": False})
+    try:
+        cluster.add_node(**common, resources={"node_b": 4}, env_vars={"TMPDIR": str(b)})
+        yield RayNodes(cluster.address, a, b, driver)
+    finally:
+        cluster.shutdown()

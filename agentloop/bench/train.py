@@ -3,7 +3,7 @@
 Modes:
     learner (default)  synthetic records (random token ids, GRPO groups, random rewards) go through the
                        real `Learner.train_step` of `agentloop train`: FSDP2 on one process, or on every
-                       rank of a torchrun group when `learner.nproc` (--nproc) > 1. `--bench-warmup` steps
+                       rank of a torchrun group when `learner.ranks` (--nproc) > 1. `--bench-warmup` steps
                        are run untimed, then `--bench-steps` timed ones.
     --run-dir DIR      the time split of an `agentloop train` run, read from DIR/metrics.jsonl.
     --full             run a short `agentloop train` (--full-steps, default 3; the train preset unless
@@ -314,7 +314,7 @@ def run_learner_bench(bench: TrainBenchConfig, algo: Any, learner_cfg: Any, out_
     from agentloop.errors import AgentLoopError
 
     model_path = resolve_bench_model(bench.model)
-    nproc = learner_cfg.nproc
+    nproc = learner_cfg.world_size
     _log(f"learner bench: model {bench.model} ({model_path}), {nproc} rank(s), {bench.sequences} sequences x "
          f"({bench.prompt_tokens} prompt + {bench.response_tokens} response) tokens, group {bench.group_size}, "
          f"{bench.warmup_steps} warmup + {bench.steps} timed steps")
@@ -519,7 +519,7 @@ def run_bench_train(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     if args.split_run_dir and args.full:
         raise ConfigError("--run-dir reads an existing run and --full makes a new one: give one of them")
     if args.nproc is not None:
-        cfg.learner.nproc = args.nproc
+        cfg.learner.ranks = args.nproc
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -20,6 +20,7 @@ from agentloop.cluster.ray_servers import NAMESPACE, RayServerPool
 from agentloop.config import Config
 from agentloop.errors import ConfigError
 from agentloop.inference.serving import ServerPool, UrlPool
+from agentloop.rollout.stream import GroupStreamProtocol
 from agentloop.train.handle.protocol import LearnerHandle
 from agentloop.train.orchestrator.backend import Backend
 
@@ -46,7 +47,7 @@ class RayBackend(Backend):
             kw: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
             if c.address is None:
                 # Logical CPUs only schedule actors: a small host still places every server and learner rank.
-                need = (self.cfg.server.num_local + self.cfg.learner.nproc + c.rollout_workers) * c.cpus_per_actor
+                need = (self.cfg.server.num_local + self.cfg.learner.world_size + c.rollout_workers) * c.cpus_per_actor
                 kw.update(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
             else:
                 use_ray_token(c.address)
@@ -66,7 +67,7 @@ class RayBackend(Backend):
 
             c = self.cfg.cluster
             bundle = {"CPU": 2 * c.cpus_per_actor, **({"GPU": 1.0} if self._gpus else {}), **c.learner_resources}
-            self.placement_group = placement_group([dict(bundle) for _ in range(self.cfg.learner.nproc)],
+            self.placement_group = placement_group([dict(bundle) for _ in range(self.cfg.learner.world_size)],
                                                    strategy="SPREAD" if c.placement == "spread" else "PACK")
         return self.placement_group
 
@@ -89,7 +90,8 @@ class RayBackend(Backend):
         return RayLearner(cfg, run_dir, model_path, run=self.run_name(run_dir), gpus=gpus,
                           placement_group=self._pg())
 
-    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path, run_dir: Path) -> Any:
+    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path,
+                              run_dir: Path) -> Callable[[Any], GroupStreamProtocol] | None:
         """`cluster.rollout_workers` engine processes (agentloop.cluster.ray_rollout) whose managers follow `sm`,
         stopped when `sm` closes; None without them. The result makes a stream (given the run's episode journal,
         or None)."""

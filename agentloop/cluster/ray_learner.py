@@ -270,8 +270,8 @@ class RayLearner(LearnerHandle):
     """The orchestrator's side (module doc)."""
 
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path, *, run: str, gpus: float,
-                 placement_group: Any = None, poll_s: float = 0.1, rank_cls: type = LearnerRank,
-                 rank_kwargs: dict[str, Any] | None = None):
+                 placement_group: Any = None, poll_s: float = 0.1, query_timeout_s: float = 30.0,
+                 rank_cls: type = LearnerRank, rank_kwargs: dict[str, Any] | None = None):
         """`rank_cls` (with `rank_kwargs`): the rank actor's class, LearnerRank (a scripted one in the handle's
         contract tests)."""
         self.cfg = cfg
@@ -279,9 +279,12 @@ class RayLearner(LearnerHandle):
         self.model_path = model_path
         self.run = run
         self.gpus = gpus
-        self.world = cfg.learner.nproc
+        self.world = cfg.learner.world_size
         self.learner_dir = cfg.cluster.learner_dir or str(run_dir)
         self.poll_s = poll_s
+        self.query_timeout_s = query_timeout_s
+        """The bound of a question to rank 0 that is not a wait of the protocol's (a finished step's metrics, the
+        log's tail): past it the answer is "nothing known"."""
         self.placement_group = placement_group
         self.rank_cls = rank_cls
         self.rank_kwargs = dict(rank_kwargs or {})
@@ -437,12 +440,14 @@ class RayLearner(LearnerHandle):
         assert isinstance(out, UpdateResult)
         return out
 
-    def finished_metrics(self, step: int) -> dict[str, float] | None:
+    async def finished_metrics(self, step: int) -> dict[str, float] | None:
         if step in self._finished:
             return self._finished[step]
+        if not self.ranks:
+            return None
         try:  # a step an earlier learner of the run finished (read on the learner's node; once, at a resume)
-            return ray.get(self.ranks[0].finished.remote(self.learner_dir, step), timeout=30) if self.ranks else None
-        except (ray.exceptions.RayError, TimeoutError):
+            return await asyncio.wait_for(self.ranks[0].finished.remote(self.learner_dir, step), self.query_timeout_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
             return None
 
     async def weights(self, step: int) -> WeightsOnDisk | None:
@@ -479,11 +484,11 @@ class RayLearner(LearnerHandle):
         except ray.exceptions.RayActorError:
             return None
 
-    def failure_context(self) -> str:
+    async def failure_context(self) -> str:
         lines = [f"learner rank {r}: {why}" for r, why in sorted(self._ended.items())]
         try:
-            tail = ray.get(self.ranks[0].log_tail.remote(), timeout=10) if self.ranks else ""
-        except (ray.exceptions.RayError, TimeoutError):
+            tail = await asyncio.wait_for(self.ranks[0].log_tail.remote(), self.query_timeout_s) if self.ranks else ""
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
             tail = ""
         if tail:
             lines.append(f"--- learner.log tail (rank 0's node, {self.learner_dir}) ---\n{tail}")
@@ -501,7 +506,7 @@ class RayLearner(LearnerHandle):
             done, _ = await asyncio.to_thread(ray.wait, self.runs, num_returns=len(self.runs), timeout=grace)
             if self.runs and self.runs[0] in done:
                 try:
-                    code = int(ray.get(self.runs[0]))
+                    code = int(await self.runs[0])  # done already: no wait
                 except (ray.exceptions.RayError, TypeError, ValueError):
                     code = None
             for a in self.ranks:

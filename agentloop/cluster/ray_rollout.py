@@ -6,10 +6,9 @@ processes of their own, so they are not bound to the driver's event loop.
                     GroupOutcome. Its manager `follow`s the driver's, which makes every admin call (pause, weight
                     update, resume) and tells the workers first: a call a pause cuts short continues after the
                     resume, tokens are stamped with the servers' versions, exactly as on the driver
-    WorkerStream    the driver's side: the GroupStream interface the schedule drives (submit, next, cancel,
-                    cancel_all, running, running_versions, busy_fraction, stopped) over the workers, each group to
-                    the least loaded one; a worker that dies ends its groups cancelled (their prompts are given out
-                    again), and none is lost
+    WorkerStream    the driver's side: the stream the schedule drives (agentloop.rollout.stream.GroupStreamProtocol,
+                    as the engine's GroupStream) over the workers, each group to the least loaded one; a worker
+                    that dies ends its groups cancelled (their prompts are given out again), and none is lost
 
 With the episode journal (journal.enabled, the driver's `Journal`): each worker journals its episodes into the run's
 journal directory as a writer of its own (`w<pid>-<n>.jal` segments, header and settings the driver's); a group the
@@ -87,23 +86,23 @@ class RolloutWorker:
     async def _collect(self) -> None:
         while True:
             out = await self.stream.next()
-            fut = self.waiting.pop(out.sample.group_uid, None)
+            fut = self.waiting.pop(out.sample.group_uid if out.key is None else out.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(out)
 
     async def run_group(self, sample: Any, n: int, state: dict[str, Any], journal: dict[str, Any] | None = None,
-                        load: bool = False) -> GroupOutcome:
+                        load: bool = False, key: int | None = None) -> GroupOutcome:
         """Run one group, the driver's manager's state at its submission followed first (its episodes start from
         what the driver knew: the expected version they are counted from, the pause state). `journal`: the driver's
         journal (directory, header); `load`: the group is journaled (a resume, or its worker died): read its episodes
-        from disk first, to continue them."""
+        from disk first, to continue them; `key`: the group's key in the driver's stream (None: its group_uid)."""
         self.sm.follow(state)
         self._ensure_stream(journal)
         if load and self.journal is not None:
             await self.journal.load_group(sample.group_uid, sample.attempt)
         fut = asyncio.get_running_loop().create_future()
-        self.waiting[sample.group_uid] = fut
-        self.stream.submit(sample, n)
+        self.waiting[sample.group_uid if key is None else key] = fut
+        self.stream.submit(sample, n, key=key)
         return await fut
 
     def cancel(self, uid: int, reason: str) -> bool:
@@ -177,7 +176,7 @@ class WorkerPool:
 
 
 class WorkerStream:
-    """The GroupStream interface over rollout workers (module doc); runs on the driver's event loop."""
+    """A rollout.stream.GroupStreamProtocol over rollout workers (module doc); runs on the driver's event loop."""
 
     def __init__(self, pool: WorkerPool, sm: Any, journal: Any = None):
         self.pool = pool
@@ -206,8 +205,8 @@ class WorkerStream:
     def running_uids(self) -> list[int]:
         return list(self._tasks)
 
-    def submit(self, sample: Any, n: int) -> None:
-        uid = sample.group_uid
+    def submit(self, sample: Any, n: int, *, key: int | None = None) -> None:
+        uid = sample.group_uid if key is None else key
         if uid in self._tasks:
             raise ValueError(f"group {uid} is already in this stream")
         worker = self._least_loaded()
@@ -215,7 +214,7 @@ class WorkerStream:
         self._where[uid] = worker
         if not self._tasks:
             self._busy_since = time.monotonic()
-        self._tasks[uid] = asyncio.create_task(self._group(worker, sample, n, self.sm.expected_version,
+        self._tasks[uid] = asyncio.create_task(self._group(worker, uid, sample, n, self.sm.expected_version,
                                                            self.sm.follower_state()), name=f"remote-group-{uid}")
         self.counts["submitted"] += 1
 
@@ -223,8 +222,9 @@ class WorkerStream:
         live = [w for w in self.pool.workers if w not in self._dead] or self.pool.workers
         return min(live, key=lambda w: self._load[w])
 
-    async def _run_on(self, worker: Any, sample: Any, n: int, state: dict[str, Any], load: bool) -> GroupOutcome:
-        out = await worker.run_group.remote(sample, n, state, self._journal_spec, load)
+    async def _run_on(self, worker: Any, uid: int, sample: Any, n: int, state: dict[str, Any],
+                      load: bool) -> GroupOutcome:
+        out = await worker.run_group.remote(sample, n, state, self._journal_spec, load, uid)
         if self.journal is not None:
             try:
                 self.journal.counts.update(await worker.journal_counts.remote())
@@ -232,12 +232,11 @@ class WorkerStream:
                 pass
         return out
 
-    async def _group(self, worker: Any, sample: Any, n: int, version: Any, state: dict[str, Any]) -> None:
-        uid = sample.group_uid
+    async def _group(self, worker: Any, uid: int, sample: Any, n: int, version: Any, state: dict[str, Any]) -> None:
         resumed = self.journal is not None and self.journal.is_resumed(sample)
         try:
             try:
-                out = await self._run_on(worker, sample, n, state, resumed)
+                out = await self._run_on(worker, uid, sample, n, state, resumed)
             except ray.exceptions.RayActorError:
                 # the worker died: with the journal its group goes on from what that worker journaled, on another
                 # live worker (the same attempt: its seeds, its episode ids); without it, cancelled below
@@ -249,7 +248,7 @@ class WorkerStream:
                 self._load[worker] += 1
                 self._where[uid] = worker
                 self.journal.counts["groups_moved_from_dead_worker"] += 1
-                out = await self._run_on(worker, sample, n, self.sm.follower_state(), True)
+                out = await self._run_on(worker, uid, sample, n, self.sm.follower_state(), True)
                 if out.cancelled is None:
                     self.journal.counts["groups_continued_after_worker_death"] += 1
             if out.cancelled is None:
@@ -257,13 +256,14 @@ class WorkerStream:
             elif out.cancelled.startswith("every server went down"):
                 self.stopped = self.stopped or out.cancelled
         except ray.exceptions.RayActorError as e:  # the worker died: the group is cancelled, its prompt given again
-            out = GroupOutcome(sample=sample, n=n, submitted_version=version,
+            out = GroupOutcome(sample=sample, n=n, submitted_version=version, key=uid,
                                cancelled=f"its rollout worker died: {_cause(e)}")
         except ray.exceptions.RayError as e:  # the worker refused it (its stream stopped): cancelled, named
-            out = GroupOutcome(sample=sample, n=n, submitted_version=version,
+            out = GroupOutcome(sample=sample, n=n, submitted_version=version, key=uid,
                                cancelled=f"its rollout worker failed it: {_cause(e)}")
         except asyncio.CancelledError:
-            out = GroupOutcome(sample=sample, n=n, submitted_version=version, cancelled="cancelled")
+            out = GroupOutcome(sample=sample, n=n, submitted_version=version, key=uid,
+                               cancelled="cancelled")
         if out.cancelled is not None:
             self.counts["cancelled"] += 1
             self.counts["episodes_cancelled"] += n

@@ -2,7 +2,8 @@
 
 Map:
     RolloutEngine.stream   a GroupStream: GRPO groups submitted one by one, each coming out of
-                           `next()` once, as soon as its last episode ends (asynchronous training)
+                           `next()` once, as soon as its last episode ends (asynchronous training); it
+                           implements rollout/stream.py's GroupStreamProtocol, as the Ray workers' stream does
     RolloutEngine.run      a wrapper that submits every sample's group to a GroupStream and collects
                            the records: the eval path and the synchronous schedule
     _run_episode           build the loop, seed it, run it under its deadline, score it; any exception
@@ -119,6 +120,8 @@ class GroupOutcome(BaseModel):
     """Episodes in the group."""
     submitted_version: int | None = None
     """The expected weight version when the group was submitted."""
+    key: int | None = None
+    """The key it was submitted under (None: its sample's `group_uid`)."""
 
     @property
     def oldest_version(self) -> int | None:
@@ -420,7 +423,8 @@ def _describe(e: BaseException) -> str:
 
 
 class GroupStream:
-    """GRPO groups in flight; each submitted group comes out of `next()` exactly once.
+    """GRPO groups in flight; each submitted group comes out of `next()` exactly once (a
+    rollout.stream.GroupStreamProtocol).
 
     Each group runs its episodes concurrently (each holding an engine slot, taken in submission order);
     it comes out complete when its last episode ends, or cancelled (`cancel`, `cancel_all`, or every
@@ -531,7 +535,7 @@ class GroupStream:
                 self._started.pop(uid, None)
                 n = self._sizes[uid]  # counted as cancelled by its task already, when the cancel reached it
                 out.append(GroupOutcome(sample=self._samples[uid], n=n, submitted_version=self._versions[uid],
-                                        cancelled=f"{reason} (its episodes did not stop within "
+                                        key=uid, cancelled=f"{reason} (its episodes did not stop within "
                                                   f"rollout.cancel_timeout_s={limit:g}: abandoned)"))
         while not self._done.empty():
             out.append(self._done.get_nowait())
@@ -556,13 +560,14 @@ class GroupStream:
         outcome: GroupOutcome | None = None
         try:
             records = [r for segments in await asyncio.gather(*eps) for r in segments]
-            outcome = GroupOutcome(sample=sample, records=records, n=n, submitted_version=self._versions[uid])
+            outcome = GroupOutcome(sample=sample, records=records, n=n, submitted_version=self._versions[uid],
+                                   key=uid)
             self.counts["completed"] += 1
         except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - the group comes out cancelled, named
             # Cancelled, or a failure no record can hold (the record sink failed): the group comes out
             # cancelled, with the reason, whatever happens to its other episodes.
             why = None if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"
-            outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
+            outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid], key=uid,
                                    cancelled=self._cancel_reason.get(uid) or self.stopped or why or "cancelled")
             self.counts["cancelled"] += 1
             self.counts["episodes_cancelled"] += n
@@ -571,7 +576,7 @@ class GroupStream:
             await asyncio.gather(*eps, return_exceptions=True)
         finally:
             if outcome is None:  # cancelled again while its episodes were being cancelled
-                outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid],
+                outcome = GroupOutcome(sample=sample, n=n, submitted_version=self._versions[uid], key=uid,
                                        cancelled=self._cancel_reason.get(uid) or self.stopped or "cancelled")
             if uid in self._abandoned:  # cancel_all already put out its outcome
                 self._abandoned.discard(uid)

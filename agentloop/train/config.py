@@ -301,32 +301,35 @@ class LearnerConfig(_Section):
     the varlen kernels are custom ops inside the compiled graph. auto: on for a CUDA learner (measured on
     one H100, 0.5B shape, 512 x (362 + 512): 4.95 -> 3.54 s per step, benchmarks/RESULTS_learner.md),
     off on CPU. YAML true/false read as on/off."""
-    checkpoint_async: Literal["auto", "on", "off"] = "auto"
+    checkpoint_background: Literal["auto", "on", "off"] = "auto"
     """on: write resumable checkpoints in the background (torch.distributed.checkpoint.async_save): training
     waits only for the copy of the state to host memory, the files are written while the next steps run,
     and the checkpoint is renamed into place (atomic, as a synchronous one) as soon as it is complete. A
     kill before that leaves the previous checkpoint the latest, so a resume may redo one step more than
     with off. off: the step waits for the whole save (update.done of a checkpoint step follows it).
-    auto: on for a CUDA learner, off on CPU (where copy, write and training share the same cores)."""
+    auto: on for a CUDA learner, off on CPU (where copy, write and training share the same cores). (Named
+    checkpoint_async before: "async" in the config is train.schedule's word alone, module agentloop.config.)"""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each step's batch."""
     mini_batches: int = Field(default=1, ge=1)
     """Optimizer steps per epoch: the step's episodes are split into this many mini-batches."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype (master weights and optimizer state stay float32). auto: bfloat16 on GPU, float32 on CPU."""
-    nproc: int = Field(default=1, ge=1)
-    """Learner ranks per node (torchrun --nproc-per-node); with cluster.backend=ray, the learner's ranks (Ray
-    actors)."""
+    ranks: int | None = Field(default=None, ge=1)
+    """The learner's ranks in all (its world size, `world_size`; one GPU each on a CUDA learner): under torchrun
+    `nnodes` hosts of ranks / nnodes each (torchrun --nproc-per-node, `ranks_per_node`), with cluster.backend=ray
+    the rank actors Ray places. None: one rank per host (`nnodes`, 1 by default). (Replaces learner.nproc, which
+    counted one host's ranks under torchrun but all of them under Ray.)"""
     nnodes: int = Field(default=1, ge=1)
     """Hosts the learner spans without Ray (torchrun --nnodes, with its c10d rendezvous at `rdzv_endpoint`): the
     run starts the first node's ranks, and `agentloop learner-node --run-dir RUN_DIR` starts each other node's
     (the run dir on a filesystem every node sees at the same path: the mailbox, weights and checkpoints live there).
-    World size nnodes * nproc."""
+    `ranks` is a multiple of it."""
     rdzv_endpoint: str | None = None
     """nnodes > 1: host:port of torchrun's rendezvous, reachable from every learner node (the first node's
     address and a free port)."""
     gpus: list[int] | None = None
-    """GPUs the learner ranks use (CUDA_VISIBLE_DEVICES of the learner; at least `nproc` of them). None:
+    """GPUs the learner ranks use (CUDA_VISIBLE_DEVICES of the learner; at least `ranks_per_node` of them). None:
     every visible GPU, rank r on GPU r. With servers on other GPUs, use weight_sync nccl or disk (CUDA IPC,
     `tensor`, needs the learner and the servers on the same GPUs)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -371,7 +374,7 @@ class LearnerConfig(_Section):
     """tensor/nccl: deadline of each call to a server, of the NCCL group's rendezvous and collectives,
     and of rank 0's wait for the orchestrator to pause the servers."""
 
-    @field_validator("share_prompt", "checkpoint_async", "compile", mode="before")
+    @field_validator("share_prompt", "checkpoint_background", "compile", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
         # YAML reads a bare on/off as a boolean.
@@ -389,9 +392,23 @@ class LearnerConfig(_Section):
                              "rendezvous, reachable from every learner node)")
         if self.rdzv_endpoint is not None and ":" not in self.rdzv_endpoint:
             raise ValueError(f"learner.rdzv_endpoint={self.rdzv_endpoint!r}: expected HOST:PORT")
+        if self.ranks is not None and self.ranks % self.nnodes:
+            raise ValueError(f"learner.ranks={self.ranks} is not a multiple of learner.nnodes={self.nnodes}: every "
+                             "host runs the same number of ranks (learner.ranks counts them all)")
         if self.weight_sync != "disk" and self.device == "cpu":
             raise ValueError(f"weight_sync={self.weight_sync!r} needs a GPU learner (device cuda or auto)")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """The learner's ranks in all: `ranks`, or one per host."""
+        return self.nnodes if self.ranks is None else self.ranks
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks of one host of a torchrun learner (--nproc-per-node): world_size / nnodes; with
+        cluster.backend=ray (nnodes 1) all of them."""
+        return self.world_size // self.nnodes
 
 
 __all__ = ["AlgoConfig", "LearnerConfig", "LossAggMode", "RS_OPTIONS", "RsRule", "parse_rollout_rs"]

@@ -14,12 +14,13 @@ from agentloop.loops import get_agent_loop
 from agentloop.models.loading import load_tokenizer_for
 from agentloop.rollout.engine import RolloutEngine
 from agentloop.server_manager import ServerManager
+from tests.conftest import SERVER_START_GUARD_S
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
 def test_real_server_killed_mid_rollout(sglang_server, tiny_model_path, tmp_path):
-    victim = LocalServer(tiny_model_path, device="cpu", log_path=tmp_path / "victim.log", startup_timeout_s=280).start()
+    victim = LocalServer(tiny_model_path, device="cpu", log_path=tmp_path / "victim.log", startup_timeout_s=SERVER_START_GUARD_S).start()
     try:
         asyncio.run(victim.wait_ready())
         cfg = load_config(None, [f"server.urls=[\"{sglang_server.url}\", \"{victim.url}\"]",

@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ import pytest
 from agentloop.records import read_records
 from agentloop.train.handle.mailbox import MailboxPaths
 from agentloop.train.trainer.checkpoint import latest_checkpoint
+from tests.conftest import RayNodes
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]  # real servers, restarts
 
@@ -39,34 +39,15 @@ REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info
           "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
 
 
-@dataclass
-class Nodes:
-    address: str
-    a: Path
-    """node_a's scratch dir (its workers' TMPDIR): the servers'."""
-    b: Path
-    """node_b's: the learner's."""
-    driver: Path
-    """The driver's own scratch dir and run dirs."""
+Nodes = RayNodes
+"""The session's cluster (tests/conftest.py, `ray_nodes`): node_a holds the servers (its scratch dir their TMPDIR),
+node_b the learner, the driver its run dirs. Nothing here kills a node, so every test shares it (runs are named
+after their run dirs; the handle's contract tests use it too)."""
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory) -> Nodes:
-    pytest.importorskip("ray", reason="cluster.backend=ray needs `pip install 'agentloop[ray]'` (scripts/setup.sh)")
-    from ray.cluster_utils import Cluster
-
-    base = tmp_path_factory.mktemp("ray")
-    a, b, driver = base / "node_a", base / "node_b", base / "driver"
-    for d in (a, b, driver):
-        d.mkdir()
-    common = {"num_cpus": 4, "object_store_memory": 200 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **common, "resources": {"node_a": 4}, "env_vars": {"TMPDIR": str(a)}, "include_dashboard": False})
-    try:
-        cluster.add_node(**common, resources={"node_b": 4}, env_vars={"TMPDIR": str(b)})
-        yield Nodes(cluster.address, a, b, driver)
-    finally:
-        cluster.shutdown()
+@pytest.fixture
+def nodes(ray_nodes: RayNodes) -> Nodes:
+    return ray_nodes
 
 
 def _cmd(nodes: Nodes, tiny_model_path: Path, run_dir: Path, plugin: Path, *extra: str) -> list[str]:
@@ -312,7 +293,7 @@ def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(node
     from agentloop.config import load_config
     from agentloop.errors import ConfigError
 
-    cfg = load_config(None, ["cluster.backend=ray", f"cluster.address={nodes.address}", "learner.nproc=2",
+    cfg = load_config(None, ["cluster.backend=ray", f"cluster.address={nodes.address}", "learner.ranks=2",
                              "cluster.placement=spread", "learner.device=cpu"])
     ray = _ray()
     ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)

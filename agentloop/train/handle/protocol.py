@@ -22,8 +22,9 @@ Implementations: FileLearner (agentloop.train.orchestrator.learner_process: a ch
 agentloop.train.handle.mailbox) and RayLearner (agentloop.cluster.ray_learner: rank actors, batches and control
 through Ray). The same tests run against both (tests/unit/train/test_handle.py).
 
-Every wait takes a deadline; every method that crosses to the learner is async, so the orchestrator's event
-loop never blocks on it.
+Every wait takes a deadline; every method that crosses to the learner (a process, a Ray actor, its files) is
+async, so the orchestrator's event loop never blocks on it (a Ray call is awaited, never `ray.get`); the two that
+stay plain (`submitted`, `where`) answer from the handle's own memory.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ class LearnerHandle(abc.ABC):
         """Step's update; LearnerFailedError / LearnerDiedError / LearnerTimeout."""
 
     @abc.abstractmethod
-    def finished_metrics(self, step: int) -> dict[str, float] | None:
-        """The learner metrics of a step it finished (None: not finished), for a row a resumed run restores."""
+    async def finished_metrics(self, step: int) -> dict[str, float] | None:
+        """The learner metrics of a step it finished (None: not finished, or the learner could not tell in time),
+        for a row a resumed run restores."""
 
     @abc.abstractmethod
     async def weights(self, step: int) -> WeightsOnDisk | None:
@@ -194,8 +196,9 @@ class LearnerHandle(abc.ABC):
         """After `stop(final=True)`: the final save; LearnerDiedError if the learner ended without it."""
 
     @abc.abstractmethod
-    def failure_context(self) -> str:
-        """Lines that help read a learner failure (its log's tail), appended to errors."""
+    async def failure_context(self) -> str:
+        """Lines that help read a learner failure (its log's tail), appended to errors; bounded in time, "" when
+        nothing can be read."""
 
     @abc.abstractmethod
     def where(self) -> str:

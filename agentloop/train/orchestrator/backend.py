@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from agentloop.config import Config
 from agentloop.inference.serving import ServerPool, pool_for
+from agentloop.rollout.stream import GroupStreamProtocol
 from agentloop.train.handle.protocol import LearnerHandle
 from agentloop.train.orchestrator.learner_process import FileLearner
 
@@ -37,9 +38,11 @@ class Backend(abc.ABC):
     def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
         """The run's learner (not started yet)."""
 
-    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path, run_dir: Path) -> Any:
-        """What makes the asynchronous schedule's group stream, once the servers serve (`sm`, the run's
-        ServerManager): None, the engine's own (episodes on the orchestrator's event loop)."""
+    async def rollout_streams(self, cfg: Config, sm: Any, model_path: Path,
+                              run_dir: Path) -> Callable[[Any], GroupStreamProtocol] | None:
+        """What makes the asynchronous schedule's group stream (given the run's episode journal, or None), once the
+        servers serve (`sm`, the run's ServerManager): None, the engine's own (episodes on the orchestrator's
+        event loop)."""
         return None
 
     async def close(self) -> None:

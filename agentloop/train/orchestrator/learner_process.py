@@ -51,7 +51,7 @@ class LearnerProcess:
     """The learner ranks as one child process group, with its output in run_dir/learner.log."""
 
     def __init__(self, cfg: Config, run_dir: Path, model_path: Path):
-        self.node_args = {"run_dir": str(run_dir), "model_path": str(model_path), "nproc": cfg.learner.nproc,
+        self.node_args = {"run_dir": str(run_dir), "model_path": str(model_path), "nproc": cfg.learner.ranks_per_node,
                           "nnodes": cfg.learner.nnodes, "rdzv_endpoint": cfg.learner.rdzv_endpoint,
                           "rdzv_id": rdzv_id(run_dir),
                           # outlasts the run's own wait for the learner, whose timeout names the missing nodes
@@ -63,8 +63,10 @@ class LearnerProcess:
         self.log_path = run_dir / "learner.log"
         self.weight_sync = cfg.learner.weight_sync
         self.gpus = cfg.learner.gpus
-        if self.gpus is not None and len(self.gpus) < cfg.learner.nproc:
-            raise ConfigError(f"learner.gpus={self.gpus} has fewer GPUs than learner.nproc={cfg.learner.nproc} ranks")
+        if self.gpus is not None and len(self.gpus) < cfg.learner.ranks_per_node:
+            raise ConfigError(f"learner.gpus={self.gpus} has fewer GPUs than the {cfg.learner.ranks_per_node} ranks "
+                              f"of this host (learner.ranks={cfg.learner.world_size}, "
+                              f"learner.nnodes={cfg.learner.nnodes})")
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> subprocess.Popen:
@@ -227,8 +229,8 @@ class FileLearner(LearnerHandle):
     async def wait_update(self, step: int, timeout_s: float) -> Any:
         return await asyncio.to_thread(self.client.wait_update, step, timeout_s)
 
-    def finished_metrics(self, step: int) -> dict[str, float] | None:
-        return self.client.finished_metrics(step)
+    async def finished_metrics(self, step: int) -> dict[str, float] | None:
+        return await asyncio.to_thread(self.client.finished_metrics, step)
 
     async def weights(self, step: int) -> WeightsOnDisk | None:
         d = self.paths.weights(step)
@@ -242,10 +244,10 @@ class FileLearner(LearnerHandle):
         return FinalResult(step=done.get("step"), weights_dir=done.get("weights_dir"),
                            checkpoint=done.get("checkpoint"))
 
-    def failure_context(self) -> str:
+    async def failure_context(self) -> str:
         if self.process is None:
             return ""
-        return f"--- learner.log tail ---\n{self.process.log_tail()}"
+        return f"--- learner.log tail ---\n{await asyncio.to_thread(self.process.log_tail)}"
 
     def where(self) -> str:
         if self.process is None:

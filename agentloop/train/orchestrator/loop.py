@@ -1,23 +1,23 @@
 """`agentloop train`: rollouts -> learner update -> weight push, on one event loop.
 
 Map:
-    train_async        the run: data, model, learner process, servers, then one of the schedules
+    train_async        the run (a coroutine): data, model, learner process, servers, then one of the schedules
     Trainer            what both schedules share: submit a batch, wait for the learner, push its weights
                        (pause in `train.interrupt` mode -> update -> resume), check versions, log a step
-    Trainer.run_sync   the synchronous schedule: roll out a step's prompts, train, push, repeat
-    Trainer.run_async  the asynchronous schedule (train.schedule=async): a producer keeps groups in flight
-                       under the admission rule, the learner trains as soon as B eligible groups are
+    Trainer.run_sync_schedule   the synchronous schedule: roll out a step's prompts, train, push, repeat
+    Trainer.run_async_schedule  the asynchronous schedule (train.schedule=async): a producer keeps groups in
+                       flight under the admission rule, the learner trains as soon as B eligible groups are
                        ready, too-stale groups are cancelled early and their prompts given out again
     rollout_metrics    a step's records -> train/... or val/... numbers
     version_check      per-token and per-turn weight versions against the window the schedule allows
     recover_step_rows  on resume: metrics.jsonl rows of redone steps dropped, a finished step's row restored
     finish_learner     the normal end: a final STOP, then wait (deadline) for the learner's final weights and checkpoint
 Parts elsewhere: the schedule's rules (schedule: Staleness, Admission, GroupBuffer, and AsyncSchedule, the
-object `run_async` drives), the episode journal (journaling, agentloop.journal), LearnerProcess (learner_process),
-DataCursor (cursor), the step's batch (agentloop.train.batch), the learner handle (agentloop.train.handle), StepLog
-and the progress line
-(agentloop.report), the group stream (agentloop.rollout.engine.GroupStream), the model checks before anything
-starts (agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
+object `run_async_schedule` drives), the episode journal (journaling, agentloop.journal), LearnerProcess
+(learner_process), DataCursor (cursor), the step's batch (agentloop.train.batch), the learner handle
+(agentloop.train.handle), StepLog and the progress line (agentloop.report), the group stream
+(agentloop.rollout.stream.GroupStreamProtocol), the model checks before anything starts
+(agentloop.train.model_support) and of what the servers serve before step 1 (served_model).
 
 Versions: v = the weights after v learner updates (initial: 0). Step s trains version s-1 into s;
 with `train.max_staleness` η every trained token was sampled by a version in [s-1-η, s-1]
@@ -61,7 +61,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from agentloop.config import Config, validate_for_training
 from agentloop.data import TrainData, load_train_data
@@ -76,6 +76,7 @@ from agentloop.report.steplog import ENTROPY_KEY, KL_KEY, StepLog
 from agentloop.rollout.engine import GroupOutcome, RolloutEngine
 from agentloop.rollout.looplag import LoopLagMonitor
 from agentloop.rollout.scorer import Scorer
+from agentloop.rollout.stream import GroupStreamProtocol
 from agentloop.server_manager import ServerManager, parse_version
 from agentloop.tools.sandbox import require_isolation
 from agentloop.train.batch.format import BatchLayout
@@ -189,7 +190,7 @@ def _write_records(path: Path, records: list[EpisodeRecord]) -> None:
             writer(r)
 
 
-def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir: Path) -> None:
+async def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir: Path) -> None:
     """A (resumed) run goes on at step `first`: drop the lines of steps >= first (they are redone,
     e.g. after the last checkpoint), and log a step < first that the learner finished but that
     has no line (killed between its update and its line) from its rollouts and the learner's metrics."""
@@ -197,7 +198,7 @@ def recover_step_rows(log: StepLog, first: int, learner: LearnerHandle, run_dir:
     last = first - 1
     recs = run_dir / "rollouts" / f"step-{last:06d}.jsonl"
     if last >= 1 and not any(r.get("step") == last for r in log.rows) and recs.is_file() \
-            and (metrics := learner.finished_metrics(last)) is not None:
+            and (metrics := await learner.finished_metrics(last)) is not None:
         row: dict[str, Any] = {"step": float(last), **rollout_metrics(list(read_records(recs)), "train")}
         row.update({f"learner/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
         log.log(row)
@@ -248,7 +249,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, sm: ServerManager, engine: RolloutEngine,
                  learner: LearnerHandle, log: StepLog, cursor: DataCursor, val_samples: list[Sample], *,
-                 layout: BatchLayout | None = None, stage: Stage = same_path, streams: Any = None,
+                 layout: BatchLayout | None = None, stage: Stage = same_path,
+                 streams: Callable[[Any], GroupStreamProtocol] | None = None,
                  journal: Any = None):
         self.cfg = cfg
         self.run_dir = run_dir
@@ -363,7 +365,7 @@ class Trainer:
         try:
             upd, t_learn, t_sync = await self.learner_update(step)
         except LearnerError as e:
-            raise TrainingError(f"learner failed at step {step}: {e}\n{self.learner.failure_context()}") from e
+            raise TrainingError(f"learner failed at step {step}: {e}\n{await self.learner.failure_context()}") from e
         checks["train/groups_dropped_infra"] += extra.pop("_groups_dropped_infra", 0)
         row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
         row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
@@ -412,7 +414,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the synchronous schedule
 
-    async def run_sync(self, first: int) -> None:
+    async def run_sync_schedule(self, first: int) -> None:
         B = self.cfg.train.prompts_per_step
         self.loop_lag.start()
         for step in range(first, self.cfg.train.steps + 1):
@@ -431,7 +433,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the asynchronous schedule
 
-    async def run_async(self, first: int) -> None:
+    async def run_async_schedule(self, first: int) -> None:
         """Drive the schedule's object (schedule.AsyncSchedule): a producer admits prompts as it allows, a
         collector reports finished groups, the step loop takes batches; its commands (give a prompt out again,
         cancel a running group) are carried out here, on the cursor and the stream."""
@@ -442,7 +444,8 @@ class Trainer:
                                                            total=(cfg.train.steps - first + 1) * B,
                                                            first_step=first, infra_retries=INFRA_RETRIES)
         journal = self.journal
-        stream = self.streams(journal) if self.streams is not None else self.engine.stream(journal=journal)
+        stream: GroupStreamProtocol = (self.streams(journal) if self.streams is not None
+                                       else self.engine.stream(journal=journal))
         changed = asyncio.Event()
 
         def carry_out(cmds: list[Command]) -> None:
@@ -568,7 +571,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
             try:
                 info = await learner.wait_ready(cfg.train.learner_ready_timeout_s)
             except AgentLoopError as e:
-                raise TrainingError(f"learner did not start: {e}\n{learner.failure_context()}") from e
+                raise TrainingError(f"learner did not start: {e}\n{await learner.failure_context()}") from e
             try:
                 # A resumed learner first trains the batches submitted before the stop: the run goes on from
                 # where that leaves it (reading next_step any earlier races the learner, pairs it with another
@@ -576,7 +579,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 info = await learner.wait_caught_up(cfg.train.update_timeout_s)
             except AgentLoopError as e:
                 raise TrainingError(f"learner failed on a batch submitted before the stop: {e}\n"
-                                    f"{learner.failure_context()}") from e
+                                    f"{await learner.failure_context()}") from e
             first = info.next_step
             position = info.data_position
             cursor = DataCursor.from_state(train_samples, cfg.rollout.seed, position, source=data.train_source,
@@ -585,7 +588,7 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 print(f"agentloop train: --force-data: the training rows ({data.train_source}) differ from those the "
                       "checkpoint's data position was stored for; going on from that position over the new rows",
                       file=sys.stderr, flush=True)
-            recover_step_rows(log, first, learner, run_dir)
+            await recover_step_rows(log, first, learner, run_dir)
             staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
             journal = open_run_journal(cfg, run_dir, model_path, cursor, first=first,
                                        floor_version=staleness.min_version(first) if first > 1 else None,
@@ -623,9 +626,9 @@ async def train_async(cfg: Config, run_dir: Path, data: TrainData | None = None,
                 emit(progress_line(0, cfg.train.steps, "steps", fmt_fields(
                     row, _PROGRESS_LABELS, ["val/reward", "val/accuracy", "val/tool_call_rate"])))
             if cfg.train.schedule == "sync":
-                await trainer.run_sync(first)
+                await trainer.run_sync_schedule(first)
             else:
-                await trainer.run_async(first)
+                await trainer.run_async_schedule(first)
             await trainer.loop_lag.stop()
             final.update(trainer.final)
             final.update(await finish_learner(cfg, learner))
@@ -653,7 +656,7 @@ async def finish_learner(cfg: Config, learner: LearnerHandle) -> dict[str, Any]:
     try:
         done = await learner.wait_final(cfg.train.update_timeout_s)
     except LearnerError as e:
-        raise TrainingError(f"the learner did not save the final model: {e}\n{learner.failure_context()}") from e
+        raise TrainingError(f"the learner did not save the final model: {e}\n{await learner.failure_context()}") from e
     return {"last_weights": done.weights_dir, "checkpoint": done.checkpoint}
 
 

@@ -13,7 +13,10 @@ Everything else (learning rate, clip ratios, kl_coef, micro-batching, the number
 checkpoint loads into any world size) may change on a resume, and the change is printed. `--force` is both.
 
 Configs saved before the training rows moved to the `data` section (train.data_path, ...) are read with
-those keys mapped to their new place: the same training rows.
+those keys mapped to their new place: the same training rows; before the renames of agentloop.config's
+MOVED_KEYS, with the dead train.sync dropped, learner.nproc as learner.ranks (x learner.nnodes: it counted one
+host's ranks under torchrun, and Ray allows one "node") and learner.checkpoint_async as
+learner.checkpoint_background.
 
 Map:
     PINNED_STATE / PINNED_DATA   keys a resume may not change without --force-settings / --force-data
@@ -99,6 +102,20 @@ def _migrate_moved_keys(tree: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def _migrate_renamed_keys(tree: dict[str, Any]) -> dict[str, Any]:
+    """A config saved before train.sync went and learner.nproc and learner.checkpoint_async were renamed, with
+    the same meaning in the new keys (module doc)."""
+    train, learner = tree.get("train"), tree.get("learner")
+    if isinstance(train, dict):
+        train.pop("sync", None)  # its one value, disk, is learner.weight_sync's default and the only path it had
+    if isinstance(learner, dict):
+        if "nproc" in learner:
+            learner.setdefault("ranks", int(learner.pop("nproc")) * int(learner.get("nnodes") or 1))
+        if "checkpoint_async" in learner:
+            learner.setdefault("checkpoint_background", learner.pop("checkpoint_async"))
+    return tree
+
+
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top`'s values over `base` (sections merged key by key; anything else replaced), in place."""
     for k, v in top.items():
@@ -116,7 +133,7 @@ def resume_config(run_dir: str | Path, config_file: str | Path | None, overrides
     Returns it and what changed; ConfigError naming every pinned key that changed and the flag it takes
     (`force_settings` accepts PINNED_STATE changes, `force_data` PINNED_DATA ones, `force` both)."""
     saved_path = Path(run_dir) / "config.yaml"
-    saved = _migrate_moved_keys(read_config_file(saved_path))
+    saved = _migrate_renamed_keys(_migrate_moved_keys(read_config_file(saved_path)))
     old = config_from_tree(copy.deepcopy(saved), str(saved_path))
     tree = copy.deepcopy(saved)
     source = str(saved_path)

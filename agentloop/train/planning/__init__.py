@@ -4,7 +4,8 @@ seconds, from the config, the data, the model's config.json and its tokenizer (n
 Map:
     checks      data, rewards, chat template, prompts, model, tools: one Check each
     inventory   the machine: the visible GPUs (from a child process) or those the config names
-    memory      the GPU memory plan: learner peak, server KV pool, placement (pure numbers, no torch)
+    memory      the GPU memory plan: learner peak, server KV pool, placement (pure numbers)
+    meta        the model built on the meta device (accelerate.init_empty_weights): its exact parameter count
     defaults    the keys the plan sizes, the user's value where one was set
     render      the plan's lines, plan.json, and the measured numbers next to it
     preflight   all of it in order: Preflight, run_preflight

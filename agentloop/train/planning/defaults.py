@@ -61,7 +61,8 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
     sync_given = lc.weight_sync if _set(lc, "weight_sync") else None
     learner_on_gpu = lc.device != "cpu"
     setup = planner.LearnerSetup(
-        nproc=lc.nproc, micro_batch_tokens=lc.micro_batch_tokens, gradient_checkpointing=lc.gradient_checkpointing,
+        nproc=lc.ranks_per_node, micro_batch_tokens=lc.micro_batch_tokens,
+        gradient_checkpointing=lc.gradient_checkpointing,
         compile=lc.compile != "off", logprob_chunk_tokens=lc.logprob_chunk_tokens,
         reference=cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward,  # the learner's needs_reference rule
         sync_bucket_gib=0.0 if (sync_given or ("tensor" if local else "disk")) == "disk"
@@ -79,7 +80,7 @@ def derive(cfg: Config, kind: str, ctx: int, longest_prompt: int, gpu_gib: list[
         # with Ray, Ray places the actors on GPUs (cluster.colocate, cluster.*_gpus): no GPU lists of ours
         if not ray and (plan.server_gpus != list(range(local)) or _set(s, "gpus")):
             pick(s, "gpus", plan.server_gpus, "separate from the learner" if not plan.colocated else "as placed")
-        if not ray and learner_on_gpu and (plan.learner_gpus != list(range(lc.nproc)) or _set(lc, "gpus")):
+        if not ray and learner_on_gpu and (plan.learner_gpus != list(range(lc.ranks_per_node)) or _set(lc, "gpus")):
             pick(lc, "gpus", plan.learner_gpus, "the first GPUs")
         pick(s, "max_total_tokens", None, "the KV pool from free memory")
         pick(s, "mem_fraction_static", plan.mem_fraction_static,

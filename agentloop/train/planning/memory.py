@@ -1,9 +1,11 @@
 """The GPU memory plan of a training run: what the learner and each server need, which GPU each goes on, and
-the settings that follow. Pure: plain numbers in, a Plan out (no torch, no GPU, no config tree); the preflight
+the settings that follow. Pure: plain numbers in, a Plan out (no GPU, no config tree; torch only for the parameter
+count, the model built on the meta device: agentloop.train.planning.meta); the preflight
 (agentloop.train.planning.preflight) reads the machine and the config, and writes the plan into the keys left unset.
 
 Map:
-    ModelShape        the sizes the memory model needs, from a Hugging Face config.json (a dict)
+    ModelShape        the sizes the memory model needs, from a Hugging Face config.json (a dict): the parameters
+                      counted on the meta device (planning.meta), the other sizes read
     LearnerSetup      the learner settings memory depends on; learner_memory -> LearnerMemory (one rank's peak)
     ServerSetup       local servers and what the user fixed of them; Workload: the episodes they must hold
     make_plan         -> Plan: placement, each GPU's budget, the server's memory fraction and KV pool, the weight
@@ -34,7 +36,7 @@ SGLang's static pool (weights + KV) is mem_fraction_static x the GPU memory free
 (sglang/srt/mem_cache/kv_cache_configurator.py: free - free x (1 - fraction)); a learner that already holds
 memory then leaves the server less, never more, so the fraction is taken of the free memory at plan time.
 
-Placement, when neither server.gpus nor learner.gpus is set: with enough GPUs (learner.nproc + local
+Placement, when neither server.gpus nor learner.gpus is set: with enough GPUs (learner.ranks + local
 servers), learner ranks on the first GPUs and the servers on the next ones (separate, weights over nccl);
 else server i on GPU i and learner rank r on GPU r (colocated, weights over CUDA IPC: tensor).
 
@@ -86,7 +88,8 @@ class ModelShape:
     """The sizes of a decoder-only model the memory model reads."""
 
     params: int
-    """All parameters (a tied LM head counted once)."""
+    """All parameters (a tied LM head counted once): counted on the model built on the meta device; estimated from
+    the sizes only for a dict that names no model_type transformers knows."""
     layers: int
     hidden: int
     intermediate: int
@@ -111,6 +114,7 @@ class ModelShape:
     def from_config(cls, config: Mapping[str, Any]) -> "ModelShape":
         """The shape from a config.json dict (a multimodal config's `text_config` is the language model).
         ValueError naming the key when one the model needs is missing."""
+        from agentloop.train.planning.meta import parameter_count
         c = dict(config)
         if isinstance(c.get("text_config"), Mapping):
             c = {**c, **dict(c["text_config"])}
@@ -142,7 +146,9 @@ class ModelShape:
             intermediate = dense_i
         embed = vocab * hidden
         tied = bool(c.get("tie_word_embeddings", False))
-        params = layers * (attn + mlp + 2 * hidden) + hidden + embed * (1 if tied else 2)
+        counted = parameter_count(config)
+        estimate = layers * (attn + mlp + 2 * hidden) + hidden + embed * (1 if tied else 2)
+        params = counted if counted is not None else estimate
         ctx = c.get("max_position_embeddings")
         return cls(params=params, layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab,
                    kv_heads=kv_heads, head_dim=head_dim, context=int(ctx) if isinstance(ctx, int) else None)
@@ -156,6 +162,7 @@ class LearnerSetup:
     """The learner settings its memory depends on."""
 
     nproc: int = 1
+    """The learner's ranks on the planned host (learner.ranks / learner.nnodes: torchrun's --nproc-per-node)."""
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
     compile: bool = False
@@ -337,7 +344,7 @@ def _advice(model: ModelShape, setup: LearnerSetup, longest: int, room: float) -
         gc = learner_memory(model, replace(setup, gradient_checkpointing=True), longest)
         if gc.need < mem.need:
             says.append(f"learner.gradient_checkpointing=true (~{gc.need:.1f} GiB per rank)")
-    says.append("more GPUs (learner.nproc, cluster.num_gpus; servers on GPUs of their own)")
+    says.append("more GPUs (learner.ranks, cluster.num_gpus; servers on GPUs of their own)")
     says.append("a smaller model")
     return "; ".join(says)
 
@@ -352,8 +359,8 @@ def make_plan(model: ModelShape, learner: LearnerSetup, servers: ServerSetup, wo
     notes: list[str] = []
     lg, sg = _placement(n, learner.nproc, learner_gpus, servers, learner_on_gpu)
     if learner_on_gpu and learner.nproc > n:
-        problems.append(f"learner.nproc={learner.nproc} ranks need {learner.nproc} GPUs, the plan has {n} "
-                        "(cluster.num_gpus, or the visible ones)")
+        problems.append(f"{learner.nproc} learner ranks on this host (learner.ranks / learner.nnodes) need "
+                        f"{learner.nproc} GPUs, the plan has {n} (cluster.num_gpus, or the visible ones)")
     for key, gpus in (("learner.gpus", lg), ("server.gpus", sg)):
         bad = sorted({g for g in gpus if g >= n or g < 0})
         if bad:
@@ -480,7 +487,7 @@ def make_plan(model: ModelShape, learner: LearnerSetup, servers: ServerSetup, wo
         sync = "tensor" if all(g in lg for g in sg) else "nccl"
     if learner_on_gpu and n > len(set(lg) | set(sg)):
         unused = sorted(set(range(n)) - set(lg) - set(sg))
-        notes.append(f"GPU(s) {unused} are not used (learner.nproc={learner.nproc}, {servers.count} local server(s))")
+        notes.append(f"GPU(s) {unused} are not used ({learner.nproc} learner rank(s), {servers.count} local server(s))")
     return Plan(budgets, mem, lg, sg, colocated, fraction if servers.count else None, kv_tokens, per_server_need,
                 fit, inflight, sync, problems, notes)
 

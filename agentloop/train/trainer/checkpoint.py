@@ -17,7 +17,7 @@ checkpoint as the latest. Re-saving an existing step renames the old one to `ste
 deletes it only after the new one is in place. Old complete checkpoints beyond `keep` are deleted
 afterwards.
 
-Background saves (`CheckpointWriter`, learner.checkpoint_async): DCP's async_save copies the state to
+Background saves (`CheckpointWriter`, learner.checkpoint_background): DCP's async_save copies the state to
 host memory (pinned, on a side stream, on CUDA) and writes the files from a thread; training goes on
 and only the next optimizer step waits for the copy (`wait_staged`). Its collectives run on a gloo
 group of their own, never on the training group. Rank 0 finalizes (meta.json + rename) once the write

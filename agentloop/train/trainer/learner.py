@@ -32,7 +32,7 @@ How a step runs (train_step):
   * Old (proximal) logprobs: the loss pass's own when the weights have not moved yet, else a no-grad
     forward pass (algo.proximal=recompute) or AReaL's interpolation from the token versions
     (algo.proximal=interpolate).
-  * Checkpoints (serve, learner.checkpoint_async): written in the background; the next optimizer step
+  * Checkpoints (serve, learner.checkpoint_background): written in the background; the next optimizer step
     waits only for the copy of the state.
 """
 

@@ -187,8 +187,8 @@ def serve(
                     ckpt_written = None
                 if ckpt_due:
                     t = time.perf_counter()  # the part of the save the step waits for
-                    background = cfg.checkpoint_async == "on" or (cfg.checkpoint_async == "auto"
-                                                                   and learner.device_type == "cuda")
+                    background = cfg.checkpoint_background == "on" or (cfg.checkpoint_background == "auto"
+                                                                        and learner.device_type == "cuda")
                     ck_dir = learner.save_checkpoint(paths.checkpoints, data_position=data_position,
                                                      background=background)
                     ckpt_step = step

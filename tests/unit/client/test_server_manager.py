@@ -6,6 +6,7 @@ No test synchronizes by sleeping: they wait on the fake's hooks (`wait_until`, `
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -379,16 +380,30 @@ def test_connection_closed_unanswered_is_retried_once_on_the_same_server_uncount
     assert g2["server/ejections"] >= 1
 
 
-def test_idle_pooled_connections_expire_before_the_servers_keepalive():
+def test_idle_pooled_connections_expire_before_the_servers_keepalive(monkeypatch):
     """An idle connection is not reused after `manager.keepalive_s` (below SGLang's 5 s), so the client
     does not send on connections the server is about to close: a request after the idle time opens a
-    new connection."""
+    new connection, one right after it reuses that one. The idle time passes on the pool's clock (moved
+    forward), so no verdict depends on how fast this machine runs the requests."""
+    from agentloop.util import http1
+
+    shift = [0.0]
+
+    class PoolClock:  # the time module as the pool sees it: monotonic() moved forward by `shift`
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+        def monotonic(self) -> float:
+            return time.monotonic() + shift[0]
+
+    monkeypatch.setattr(http1, "time", PoolClock())
+
     async def main():
         (f,) = await start_fakes(1)
-        async with ServerManager([f.url], ManagerConfig(**{**FAST, "keepalive_s": 0.25, "health_interval_s": 3600.0})) as sm:
+        async with ServerManager([f.url], ManagerConfig(**{**FAST, "keepalive_s": 30.0, "health_interval_s": 3600.0})) as sm:
             await sm.generate("a", prompt_ids=[1, 2, 3], sampling_params=sp())
             before = f.connections
-            await asyncio.sleep(0.75)  # the idle time itself is what is tested, not a synchronization
+            shift[0] += 60.0  # idle for twice keepalive_s on the pool's clock
             await sm.generate("b", prompt_ids=[1, 2, 3], sampling_params=sp())
             after_idle = f.connections
             await sm.generate("c", prompt_ids=[1, 2, 3], sampling_params=sp())

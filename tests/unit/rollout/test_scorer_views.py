@@ -12,6 +12,10 @@ from agentloop.records import AgentLoopOutput, Sample
 from agentloop.rollout.scorer import Scorer
 from tests.unit.loops.test_tool_loop import get_tokenizer
 
+ONE_WORKER = "reward.workers=1"
+"""Every reward here still runs in a worker process, as in a run; one, not the default four, starts for each
+event loop (four starting at once on a 2-core box took 10-18 s of each test)."""
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -30,7 +34,7 @@ def _sample(ds: str, gt) -> Sample:
 
 
 def test_each_name_gets_its_frameworks_text(tok):
-    scorer = Scorer(load_config(None))
+    scorer = Scorer(load_config(None, [ONE_WORKER]))
     prompt = "<|im_start|>user\nUsing [2, 3, 4] make 24.\nAssistant: Let me solve this step by step.<|im_end|>\n"
     out = _episode(tok, prompt, " ok </think><answer>2*3*4</answer><|im_end|>")
     verl = scorer.solution_text(_sample("openai/gsm8k", "24"), out, tok)
@@ -52,14 +56,15 @@ def test_verl_custom_reward_file_works_unchanged(tmp_path, tok):
     f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                  "    ok = solution_str.strip().endswith(ground_truth)\n"
                  "    return {'score': 1.0 if ok else 0.0, 'acc': ok, 'seen': solution_str}\n")
-    scorer = Scorer(load_config(None, [f"reward.custom={f}:compute_score"]))
+    scorer = Scorer(load_config(None, [f"reward.custom={f}:compute_score", ONE_WORKER]))
     out = _episode(tok, "<|im_start|>user\nq<|im_end|>\n", "the answer is 42<|im_end|>")
     s = _sample("anything/verl", "42")
     text = scorer.solution_text(s, out, tok)
     assert text == "the answer is 42"  # what verl's reward manager passes: no special tokens
     score, info = asyncio.run(scorer.score(s, text))
     assert score == 1.0 and info == {"acc": True, "seen": "the answer is 42"}
-    tz = Scorer(load_config(None, [f"reward.custom={f}:compute_score", "reward.custom_view=prompt_response"]))
+    tz = Scorer(load_config(None, [f"reward.custom={f}:compute_score", "reward.custom_view=prompt_response",
+                                   ONE_WORKER]))
     assert tz.solution_text(s, out, tok).startswith("<|im_start|>user\nq")
 
 
@@ -78,7 +83,7 @@ def test_a_verl_reward_reading_verls_extra_info_keys_gets_them(tmp_path, tok):
 
     f = tmp_path / "reader.py"
     f.write_text(VERL_EXTRA_READER)
-    scorer = Scorer(load_config(None, [f"reward.custom={f}:compute_score"]))
+    scorer = Scorer(load_config(None, [f"reward.custom={f}:compute_score", ONE_WORKER]))
     s = Sample(index=0, data_source="x", messages=[{"role": "user", "content": "q"}], ground_truth="1",
                extra_info={"split": "train", "index": 3})
     single = _episode(tok, "<|im_start|>user\nq<|im_end|>\n", "1<|im_end|>")
@@ -108,7 +113,7 @@ def test_the_engine_passes_verls_extra_info_to_the_reward(tmp_path, tok):
     f = tmp_path / "reader.py"
     f.write_text(VERL_EXTRA_READER)
     cfg = load_config(None, ["server.urls=[\"http://127.0.0.1:1\"]", "sampling.max_new_tokens=4",
-                             f"reward.custom={f}:compute_score"])
+                             f"reward.custom={f}:compute_score", ONE_WORKER])
     s = Sample(index=0, data_source="x", messages=[{"role": "user", "content": "q"}], ground_truth="1",
                extra_info={"split": "test"})
 

@@ -5,6 +5,9 @@ are kept unscored. Scripted server (timing), a token-only loop."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+
+import pytest
 
 from agentloop.config import Config, ManagerConfig, load_config
 from agentloop.loops.base import AgentLoopBase, TrajectoryBuilder
@@ -103,3 +106,93 @@ def test_aborted_episode_is_kept_unscored():
     out = asyncio.run(asyncio.wait_for(main(), 60))
     (rec,) = out.records
     assert out.cancelled is None and rec.finish_reason == "abort" and rec.reward is None and rec.error is None
+
+
+def _members() -> list[str]:
+    from agentloop.rollout.stream import GroupStreamProtocol
+
+    return sorted(n for n in vars(GroupStreamProtocol) if not n.startswith("_")) + ["stopped"]
+
+
+def test_the_engine_s_and_the_ray_workers_streams_offer_the_protocol_with_its_signatures():
+    """What the async schedule drives (agentloop.rollout.stream): every member, each method with the protocol's
+    parameters (names, kinds, defaults) and the same sync/async kind, on both streams."""
+    import inspect
+
+    pytest.importorskip("ray", reason="WorkerStream needs `pip install 'agentloop[ray]'`")
+    from agentloop.cluster.ray_rollout import WorkerStream
+    from agentloop.rollout.engine import GroupStream
+    from agentloop.rollout.stream import GroupStreamProtocol
+
+    streams = [GroupStream(SimpleNamespace()), WorkerStream(SimpleNamespace(workers=[]), SimpleNamespace())]
+    members = _members()
+    assert {"submit", "next", "cancel", "cancel_all", "running", "running_versions", "busy_fraction"} <= set(members)
+    for st in streams:
+        assert isinstance(st, GroupStreamProtocol), type(st).__name__
+        for name in members:
+            want, got = inspect.getattr_static(GroupStreamProtocol, name, None), inspect.getattr_static(st, name)
+            if not callable(want):
+                continue  # an attribute or a property: present (isinstance above)
+            assert [(p.name, p.kind, p.default) for p in inspect.signature(got).parameters.values()] == \
+                   [(p.name, p.kind, p.default) for p in inspect.signature(want).parameters.values()], \
+                   f"{type(st).__name__}.{name}"
+            assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), f"{type(st).__name__}.{name}"
+
+
+class _Worker:
+    """A rollout worker actor's handle as WorkerStream uses it: `run_group.remote(...)` answers the group complete,
+    once the test releases it."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int | None]] = []
+        self.release = asyncio.Event()
+        self.run_group = SimpleNamespace(remote=self._run_group)
+        self.cancel = SimpleNamespace(remote=lambda uid, reason: None)
+
+    async def _run_group(self, sample, n, state, journal, load, key):
+        from agentloop.rollout.engine import GroupOutcome
+
+        self.calls.append((sample.group_uid, key))
+        await self.release.wait()
+        return GroupOutcome(sample=sample, n=n, key=key)
+
+
+def test_the_workers_stream_keys_groups_as_the_engine_s_does():
+    """`submit(..., key=)`: the same prompt twice under two keys is two groups, each outcome naming its key, on
+    the workers' stream as on the engine's; a key in flight is refused."""
+    pytest.importorskip("ray", reason="WorkerStream needs `pip install 'agentloop[ray]'`")
+    from agentloop.cluster.ray_rollout import WorkerStream
+
+    async def main():
+        worker = _Worker()
+        sm = SimpleNamespace(expected_version=2, follower_state=lambda: {})
+        st = WorkerStream(SimpleNamespace(workers=[worker]), sm)
+        s = samples(1)[0]
+        st.submit(s, 2, key=0)
+        st.submit(s, 2, key=1)
+        with pytest.raises(ValueError, match="already in this stream"):
+            st.submit(s, 2, key=1)
+        assert sorted(st.running_uids()) == [0, 1]
+        await asyncio.sleep(0)
+        worker.release.set()
+        return sorted([(await st.next()).key for _ in range(2)]), worker.calls
+
+    keys, calls = asyncio.run(asyncio.wait_for(main(), 30))
+    assert keys == [0, 1] and sorted(calls) == [(100, 0), (100, 1)]
+
+
+def test_the_engine_s_stream_names_each_outcome_s_key():
+    async def main():
+        fake = await FakeSGLang().start()
+        try:
+            async with ServerManager([fake.url], cfg().manager) as sm:
+                st = RolloutEngine(cfg(), sm, None, OneCall, progress=False).stream()
+                s = samples(2)
+                st.submit(s[0], 1)
+                st.submit(s[0], 1, key=7)
+                st.submit(s[1], 1, key=8)
+                return sorted([(o.key, o.sample.group_uid, o.cancelled) for o in [await st.next() for _ in range(3)]])
+        finally:
+            await fake.stop()
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [(7, 100, None), (8, 101, None), (100, 100, None)]

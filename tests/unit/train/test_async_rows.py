@@ -76,7 +76,7 @@ def test_async_step_rows_hold_the_counters_and_the_loop_lag(tmp_path):
                 sm.expect_version(0)
                 engine = RolloutEngine(cfg, sm, None, FailsOnce, progress=False)
                 trainer = Trainer(cfg, tmp_path, sm, engine, FileLearner(tmp_path), log, DataCursor(samples, 0), [])
-                await trainer.run_async(1)
+                await trainer.run_async_schedule(1)
                 return trainer.final
         finally:
             log.close()

@@ -19,12 +19,12 @@ MODEL = 'model.path="/m"'
     (["cluster.backend=ray", "cluster.colocate=true", URL, MODEL],
      "server.urls servers are not Ray's to place"),
     (["cluster.backend=ray", "cluster.colocate=true", "server.num_local=2"],
-     "server.num_local=2 > learner.nproc=1"),
+     "server.num_local=2 > learner.ranks=1"),
     (["cluster.backend=ray", URL, MODEL], "set cluster.shared_fs=true"),
     (["cluster.backend=ray", "cluster.colocate=true", "cluster.server_gpus=1"],
      "cluster.server_gpus + cluster.learner_gpus = 1.5 > 1"),
     (["cluster.backend=ray", "learner.weight_sync=nccl", "server.device=cpu"], "needs CUDA servers"),
-    (["cluster.backend=ray", "learner.nnodes=2", "learner.rdzv_endpoint=h:29400"], "learner.nproc only"),
+    (["cluster.backend=ray", "learner.nnodes=2", "learner.rdzv_endpoint=h:29400"], "learner.ranks only"),
     (["cluster.address=h:6379"], "cluster.address only apply to cluster.backend=ray"),
     (["learner.nnodes=2", "learner.rdzv_endpoint=h:1", "learner.weight_sync=tensor"], "CUDA IPC"),
 ])
@@ -69,8 +69,12 @@ def test_a_learner_over_nodes_needs_its_rendezvous_and_every_node_runs_one_comma
     assert cmd[9:12] == ["--rdzv-conf=join_timeout=660", "-m", "agentloop.train.trainer"]
     from agentloop.train.orchestrator.learner_process import LearnerProcess
 
-    lp = LearnerProcess(load_config(None, ["learner.nnodes=2", "learner.rdzv_endpoint=h:1",
+    lp = LearnerProcess(load_config(None, ["learner.ranks=4", "learner.nnodes=2", "learner.rdzv_endpoint=h:1",
                                            "train.learner_ready_timeout_s=100"]), tmp_path, tmp_path / "m")
     assert "--rdzv-conf=join_timeout=160" in lp.cmd
+    # learner.ranks counts every host's ranks: torchrun starts ranks / nnodes on each
+    assert "--nnodes=2" in lp.cmd and "--nproc-per-node=2" in lp.cmd and lp.node_args["nproc"] == 2
+    with pytest.raises(ConfigError, match="learner.ranks=3 is not a multiple of learner.nnodes=2"):
+        load_config(None, ["learner.ranks=3", "learner.nnodes=2", "learner.rdzv_endpoint=h:1"])
     with pytest.raises(ConfigError, match="learner_node.json is missing"):
         node_command(tmp_path)

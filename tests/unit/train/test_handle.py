@@ -107,9 +107,26 @@ def scripted_rank():
     from agentloop.cluster.ray_learner import LearnerRank
 
     class ScriptedRank(LearnerRank):
-        def __init__(self, run: str, rank: int, **learner_kw: Any):
+        def __init__(self, run: str, rank: int, hold: bool = False, **learner_kw: Any):
             super().__init__(run, rank)
             self.kw, self.seen_ = learner_kw, []
+            self.hold = threading.Semaphore(0) if hold else None
+            """`hold`: rank 0 answers a finished step's metrics and its log's tail only once `release` was called
+            (after the question), as a learner whose node is slow to answer."""
+
+        def finished(self, learner_dir: str, step: int) -> dict[str, float] | None:
+            if self.hold is None:
+                return super().finished(learner_dir, step)
+            return {"held": float(step)} if self.hold.acquire(timeout=60) else None
+
+        def log_tail(self, n: int = 30) -> str:
+            if self.hold is None:
+                return super().log_tail(n)
+            return "the held tail" if self.hold.acquire(timeout=60) else ""
+
+        def release(self) -> None:
+            assert self.hold is not None
+            self.hold.release()
 
         def address(self) -> tuple[str, int]:
             return "127.0.0.1", 0
@@ -151,9 +168,11 @@ class RayCarrier:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray", reason="the Ray carrier needs `pip install 'agentloop[ray]'`")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="agentloop-tests")
+def local_ray(ray_nodes):
+    """The session's local Ray cluster (tests/conftest.py), connected to for this module's tests."""
+    import ray
+
+    ray.init(address=ray_nodes.address, log_to_driver=False, namespace="agentloop-tests")
     yield
     ray.shutdown()
 
@@ -187,7 +206,7 @@ def test_steps_go_in_and_updates_come_back_with_their_weights(carrier):
             ev = await h.wait_update_or_sync(step, 10)
             assert isinstance(ev, UpdateResult) and not ev.pushed
             out.append(ev)
-        assert h.finished_metrics(2) == {"episodes": 12.0} and h.finished_metrics(3) is None
+        assert await h.finished_metrics(2) == {"episodes": 12.0} and await h.finished_metrics(3) is None
         assert (await h.weights(2)).path == out[1].weights_dir and await h.weights(7) is None
         caught_up = await h.wait_caught_up(10)
         assert (caught_up.next_step, caught_up.data_position) == (3, {"next": 2})
@@ -226,3 +245,26 @@ def test_a_failed_step_and_a_silent_learner_are_errors_not_hangs(carrier):
 
     err, _ = run_with(carrier, body, fail_at=1)
     assert err.step == 1 and "ValueError: boom in the step" in err.traceback
+
+
+@pytest.mark.ray
+def test_the_ray_handle_waits_for_rank_0_on_the_event_loop(tmp_path, local_ray):
+    """The handle's questions to rank 0 outside its waits (a finished step's metrics, the log's tail) are awaited,
+    not `ray.get`: while rank 0 holds its answer until the orchestrator's next call releases it, that call gets
+    out and the answer comes back. A blocking get would hold the event loop until its bound (the release never
+    sent) and answer "nothing known"."""
+
+    async def body(h: LearnerHandle):
+        await h.wait_ready(10)
+        h.query_timeout_s = 20  # the bound a blocking get would wait out
+        answers = []
+        for ask in (lambda: h.finished_metrics(5), h.failure_context):
+            task = asyncio.create_task(ask())
+            await asyncio.sleep(0)  # the task asks rank 0 (and, if it blocked, would hold the loop here)
+            await h.ranks[0].release.remote()
+            answers.append(await task)
+        return answers
+
+    (metrics, context), _ = RayCarrier(tmp_path).run(body, hold=True)
+    assert metrics == {"held": 5.0}
+    assert context.endswith("the held tail")

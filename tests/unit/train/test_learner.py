@@ -139,7 +139,7 @@ def test_load_sections(tmp_path):
     # YAML reads a bare off/on as a boolean
     assert load_sections(None, ["learner.share_prompt=off"])[1].share_prompt == "off"
     assert load_sections(None, ["learner.share_prompt=on"])[1].share_prompt == "on"
-    assert load_sections(None, ["learner.checkpoint_async=off"])[1].checkpoint_async == "off"
+    assert load_sections(None, ["learner.checkpoint_background=off"])[1].checkpoint_background == "off"
     # learner.compile was a boolean before it had auto: true/false still mean on/off
     assert [load_sections(None, [f"learner.compile={v}"])[1].compile for v in ("true", "false", "auto")] == \
         ["on", "off", "auto"]
@@ -512,7 +512,7 @@ def test_a_push_path_learner_resumed_with_pending_batches_replays_them_without_a
 
     monkeypatch.setattr(ws, "sync_from_config", lambda cfg: RecordingPush(timeout_s=cfg.weight_sync_timeout_s))
     run = tmp_path / "run"
-    overrides = ["learner.weight_sync=tensor", "learner.checkpoint_every=1", "learner.checkpoint_async=off",
+    overrides = ["learner.weight_sync=tensor", "learner.checkpoint_every=1", "learner.checkpoint_background=off",
                  "learner.lr=0.1", "learner.adam_eps=1.0", "learner.poll_s=0.02", "learner.keep_weights=null",
                  "learner.micro_batch_tokens=48", "learner.seed=5", "learner.weight_sync_timeout_s=5"]
     algo, cfg = load_sections(None, overrides)
@@ -1082,7 +1082,7 @@ def test_every_background_checkpoint_of_a_run_is_written(tiny_model, tmp_path, m
 
 
 def test_background_checkpoint_equals_a_synchronous_one(tiny_model, tmp_path):
-    """learner.checkpoint_async: training goes on while the files are written; the checkpoint appears once
+    """learner.checkpoint_background: training goes on while the files are written; the checkpoint appears once
     complete and restores the state of its step exactly (the next step's update waited for the copy)."""
     learner = Learner(tiny_model, AlgoConfig(), LearnerConfig(device="cpu", lr=1e-2, ppo_epochs=2))
     try:
@@ -1110,7 +1110,7 @@ def test_background_checkpoint_is_published_while_the_learner_waits(tiny_model, 
     run = tmp_path / "run"
     run.mkdir()
     proc = _launch(run, tiny_model, ["learner.device=cpu", "learner.poll_s=0.05", "learner.checkpoint_every=1",
-                                     "learner.checkpoint_async=on"])
+                                     "learner.checkpoint_background=on"])
     try:
         client = MailboxClient(run, process=proc, poll_s=0.05)
         client.wait_ready(120)

@@ -22,12 +22,28 @@ def test_parameters_and_kv_from_the_config():
     assert Q3.params == pytest.approx(3085.8e6, rel=2e-3)
     # 2 (K, V) x 24 layers x 2 kv heads x 64 head dim x 2 bytes
     assert Q05.kv_bytes_per_token == 2 * 24 * 2 * 64 * 2
-    untied = ModelShape.from_config({**MODEL_SHAPES["qwen2.5-0.5b-shape"], "tie_word_embeddings": False})
+    untied = ModelShape.from_config({**MODEL_SHAPES["qwen2.5-0.5b-shape"], "model_type": "qwen2",
+                                     "tie_word_embeddings": False})
     assert untied.params - Q05.params == 151936 * 896
-    nested = ModelShape.from_config({"model_type": "llava", "text_config": MODEL_SHAPES["qwen2.5-0.5b-shape"]})
+    nested = ModelShape.from_config({"model_type": "llava",
+                                     "text_config": {**MODEL_SHAPES["qwen2.5-0.5b-shape"], "model_type": "qwen2"}})
     assert nested == Q05
     with pytest.raises(ValueError, match="vocab_size"):
         ModelShape.from_config({"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2})
+
+
+def test_the_parameters_are_counted_on_the_model_built_on_the_meta_device():
+    """planning.meta: the model transformers builds from the config (as the learner does), on the meta device under
+    accelerate.init_empty_weights: every parameter the architecture has, Qwen2's q/k/v biases included (the sizes
+    alone leave them out: the estimate for a bare dict), a tied head once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    real = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))  # on the CPU, weights allocated
+    assert ModelShape.from_config(small).params == sum(p.numel() for p in real.parameters())
+    bare = {k: v for k, v in small.items() if k != "model_type"}
+    assert ModelShape.from_config(small).params - ModelShape.from_config(bare).params == 2 * (64 + 2 * 2 * 16)
 
 
 @pytest.mark.parametrize("model, setup, measured", [
@@ -131,7 +147,7 @@ def test_the_measured_colocated_run_fits():
 
 def test_more_learner_ranks_than_gpus_and_gpus_out_of_range_are_refused():
     p = make_plan(Q05, LearnerSetup(nproc=4), ServerSetup(count=1), W, [79.0, 79.0])
-    assert "learner.nproc=4 ranks need 4 GPUs, the plan has 2" in p.problems[0]
+    assert "4 learner ranks on this host (learner.ranks / learner.nnodes) need 4 GPUs, the plan has 2" in p.problems[0]
     q = make_plan(Q05, LearnerSetup(), ServerSetup(count=1, gpus=[3]), W, [79.0])
     assert any("server.gpus places work on GPU [3]" in m for m in q.problems)
 

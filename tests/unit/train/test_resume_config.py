@@ -162,7 +162,7 @@ def test_pinned_keys():
     assert all(is_pinned(k) for k in ("model.path", "data.path", "data.val_path", "learner.betas", "learner.adam_eps",
                                       "learner.dtype", "algo.kl_ctrl", "rollout.seed", "data.val_holdout"))
     assert not any(is_pinned(k) for k in ("train.steps", "train.val_every", "data.val_max_samples", "algo.kl_coef",
-                                          "learner.lr", "learner.nproc", "learner.micro_batch_tokens",
+                                          "learner.lr", "learner.ranks", "learner.micro_batch_tokens",
                                           "rollout.n_samples", "server.urls", "data.apply_chat_template"))
 
 
@@ -172,3 +172,26 @@ def test_turning_validation_off_on_resume_keeps_the_training_rows(run):
     before = DataCursor(load_data(cli_cfg("--run-dir", str(run_dir))).train, 0)
     off = load_data(cli_cfg("--run-dir", str(run_dir), "train.val_every=0"))
     assert off.val == [] and DataCursor.from_state(off.train, 0, before.state()).matches(before.state())
+
+
+@pytest.mark.parametrize("backend,nnodes,nproc,ranks", [("local", 1, 2, 2), ("local", 2, 4, 8), ("ray", 1, 3, 3)])
+def test_a_run_dir_saved_before_the_renames_resumes_with_the_same_meaning(tmp_path, run, backend, nnodes, nproc,
+                                                                          ranks):
+    """config.yaml of an older run: train.sync (dead), learner.nproc (one host's ranks under torchrun, all of them
+    under Ray), learner.checkpoint_async. Its learner keeps its ranks and its checkpoint writes; a user config
+    naming the old keys is an error (tests/unit/train/test_train_data.py)."""
+    run_dir, _ = run
+    old = yaml.safe_load((run_dir / "config.yaml").read_text())
+    old["train"]["sync"] = "disk"
+    learner = old["learner"]
+    learner.pop("ranks")
+    learner.update(nproc=nproc, nnodes=nnodes, checkpoint_async=learner.pop("checkpoint_background") and "off")
+    if nnodes > 1:
+        learner["rdzv_endpoint"] = "h:29400"
+    old["cluster"]["backend"] = backend
+    legacy = tmp_path / "legacy"
+    shutil.copytree(run_dir, legacy)
+    (legacy / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    cfg = cli_cfg("--run-dir", str(legacy))
+    assert (cfg.learner.world_size, cfg.learner.ranks_per_node) == (ranks, nproc)
+    assert cfg.learner.checkpoint_background == "off" and "sync" not in cfg.train.model_dump()

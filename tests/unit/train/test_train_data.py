@@ -6,13 +6,14 @@ Through the CLI's `build_config` and the orchestrator's `load_data`, as `agentlo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from agentloop.cli import build_config, main, make_parser
-from agentloop.config import dump_config, load_config
+from agentloop.config import MOVED_KEYS, dump_config, load_config
 from agentloop.data import builtin_rows, write_jsonl
 from agentloop.errors import ConfigError, DataError
 from agentloop.train.orchestrator.loop import load_data
@@ -111,12 +112,14 @@ def test_the_embedded_default_trains_and_validates_as_before():
 
 @pytest.mark.parametrize("old,new", [("train.data_path", "data.path"), ("train.builtin", "data.builtin"),
                                      ("train.val_path", "data.val_path"), ("train.val_builtin", "data.val_builtin"),
-                                     ("train.val_max_samples", "data.val_max_samples")])
+                                     ("train.val_max_samples", "data.val_max_samples"),
+                                     ("train.sync", "learner.weight_sync"), ("learner.nproc", "learner.ranks"),
+                                     ("learner.checkpoint_async", "learner.checkpoint_background")])
 def test_the_moved_keys_fail_naming_their_new_key(old, new, tmp_path, capsys):
     with pytest.raises(ConfigError, match=rf"{old} is now {new}"):
         load_config(None, [f"{old}=3"])
     f = tmp_path / "old.yaml"
-    f.write_text(yaml.safe_dump({"train": {old.split(".")[1]: 3}}))
+    f.write_text(yaml.safe_dump({old.split(".")[0]: {old.split(".")[1]: 3}}))
     with pytest.raises(ConfigError, match=rf"old.yaml\): moved keys:\n  {old} is now {new}"):
         load_config(f)
     assert main(["train", "--run-dir", str(tmp_path / "run"), f"{old}=3"]) == 2
@@ -124,17 +127,22 @@ def test_the_moved_keys_fail_naming_their_new_key(old, new, tmp_path, capsys):
 
 
 def test_no_shipped_config_doc_or_script_uses_a_moved_key():
-    """configs, presets, benchmarks and docs speak of the data section only (the README names the old keys once,
-    as errors)."""
+    """configs, presets, benchmarks and docs name no moved or renamed key (MOVED_KEYS: the data section's,
+    train.sync, learner.nproc, learner.checkpoint_async); the README names the data section's old keys once, as
+    errors, and the others not at all."""
     files = [*ROOT.glob("configs/*.yaml"), *ROOT.glob("agentloop/presets/*.yaml"), *ROOT.glob("benchmarks/*.sh"),
-             *ROOT.glob("benchmarks/*.py"), *ROOT.glob("docs/*.md")]
+             *ROOT.glob("benchmarks/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md"]
     for path in files:
         text = path.read_text()
-        for old in ("train.data_path", "train.val_path", "train.val_builtin", "train.val_max_samples",
-                    "train.builtin"):
-            assert old not in text, f"{path} still names {old}"
+        for old in MOVED_KEYS:
+            if path.name == "README.md" and old.split(".")[1] in ("data_path", "builtin", "val_path", "val_builtin",
+                                                                   "val_max_samples"):
+                continue
+            assert re.search(rf"{re.escape(old)}\b", text) is None, f"{path} still names {old}"
         if path.suffix == ".yaml":
-            train = (yaml.safe_load(text) or {}).get("train") or {}
-            assert not {"data_path", "builtin", "val_path", "val_builtin", "val_max_samples"} & set(train), path
+            tree = yaml.safe_load(text) or {}
+            for old in MOVED_KEYS:
+                section, key = old.split(".")
+                assert key not in (tree.get(section) or {}), f"{path} sets {old}"
     for path in [*ROOT.glob("configs/*.yaml"), *ROOT.glob("agentloop/presets/*.yaml")]:
         dump_config(load_config(path))  # and each still loads
