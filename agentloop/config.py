@@ -347,7 +347,7 @@ class TrainConfig(Section):
 
 
 class ClusterConfig(Section):
-    """Where `agentloop train` runs its servers and learner (README, "Beyond one machine"), and the GPUs it plans
+    """Where `agentloop train` runs its servers and learner (docs/cluster.md), and the GPUs it plans
     its memory for (agentloop.train.planning.memory)."""
 
     gpu_memory_gib: float | None = Field(default=None, gt=0)

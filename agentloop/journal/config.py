@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class JournalConfig(BaseModel):
-    """The episode journal of `agentloop train` (README, "Nothing lost at a crash"): every episode's effects (each
+    """The episode journal of `agentloop train` (docs/journal.md): every episode's effects (each
     generate call's tokens, each tool call and its result) and every finished episode's record are appended, as they
     happen, to `RUN_DIR/journal/`, so a killed run (or a dead rollout worker, or an episode whose server failed)
     continues each episode from where it stood instead of rolling it out again."""

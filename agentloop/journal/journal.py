@@ -1,4 +1,4 @@
-"""Journal: a training run's episode journal, `RUN_DIR/journal/` (README, "Nothing lost at a crash").
+"""Journal: a training run's episode journal, `RUN_DIR/journal/` (docs/journal.md, "Nothing lost at a crash").
 
 Map:
     journal_header   what a journal is valid for: the model, the data fingerprint (the cursor's), the rollout

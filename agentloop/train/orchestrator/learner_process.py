@@ -8,7 +8,7 @@ progress, every rank's warnings and errors: see agentloop.train.trainer.serve) a
 The orchestrator never imports the learner (FSDP, the model): it starts it by command line and talks to it
 through the mailbox; `learner_command` is that command line. Spanning hosts without Ray: `learner.nnodes` > 1
 runs torchrun's own rendezvous (`learner.rdzv_endpoint`), one `agentloop learner-node` per further host, all
-on a run dir every host sees (README, "Beyond one machine").
+on a run dir every host sees (docs/cluster.md, "Beyond one machine").
 """
 
 from __future__ import annotations

@@ -702,8 +702,10 @@ def test_the_checked_version_and_rows_are_the_docs():
     doc = (ROOT / "docs" / "coming_from_verl.md").read_text()
     readme = (ROOT / "README.md").read_text()
     assert f"verl {VERL_VERSION}" in doc
-    section = readme[readme.index("## Coming from verl"):]
+    section = doc[doc.index("## Coming from verl"):]
     assert f"verl {VERL_VERSION}" in section[:section.index("\n## ")]
+    line = next(x for x in readme.splitlines() if x.startswith("- [docs/coming_from_verl.md]"))  # the README's map
+    assert f"verl {VERL_VERSION}" in line
     table = doc[doc.index("## Algorithm keys, checked against verl"):]
     same = re.findall(r"^\| `([^`]+)`[^|]*\|[^|]*\| same\b", table, flags=re.M)
     assert sorted(same) == sorted(CHECKED)
