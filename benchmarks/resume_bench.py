@@ -263,7 +263,8 @@ def report(out: Path, res: dict[str, Any]) -> str:
     identical = sum(min(v) < 1e-4 for v in w.get("killed_to_same_setting", {}).values() if v)
     ks = res["lengths_test"]
     text = [
-        f"{len(killed)} killed-and-resumed runs, {len(base)} uninterrupted runs; {res['config']}",
+        f"{len(killed)} killed-and-resumed runs (of {res.get('runs_asked', len(killed))} asked), {len(base)} "
+        f"uninterrupted runs; {res['config']}",
         "",
         "\n".join(lines),
         "",
@@ -303,11 +304,16 @@ def main() -> None:
     ap.add_argument("--server-url", default=None)
     ap.add_argument("--seed", type=int, default=30)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="start no killed run once this many seconds have passed since the script started (the "
+                         "report says how many of --runs ran)")
     args, extra = ap.parse_known_args()
+    started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.json"
     res: dict[str, Any] = json.loads(res_path.read_text()) if res_path.exists() else {"baselines": [], "killed": []}
+    res["runs_asked"] = args.runs
     res["config"] = (f"{args.steps} steps x {args.prompts} prompts x {args.samples} samples, tool_agent_loop on "
                      f"calculator_train, async eta=1, journal on, rollout.seed=1 learner.seed=1, extra {extra}")
     from agentloop.models.warmstart import ensure_warm_model
@@ -350,6 +356,10 @@ def main() -> None:
                 name = f"kill-{i:02d}"
                 if name in done:
                     continue
+                if args.time_budget_s is not None and time.monotonic() - started > args.time_budget_s:
+                    print(f"time budget of {args.time_budget_s:.0f} s spent: {len(res['killed'])} of {args.runs} "
+                          "killed runs done", flush=True)
+                    break
                 run_dir = out / name
                 cmd = train_cmd(url, model, run_dir, args, extra)
                 kill = run_and_kill(cmd, out / f"{name}.log", at, run_dir)
