@@ -159,7 +159,8 @@ def journal_at_kill(run_dir: Path) -> dict[str, Any]:
     for e in eps:
         recs = e.records()
         tokens += sum(r.num_model_tokens for r in recs) if recs is not None else e.model_tokens
-    return {"groups": len(groups), "episodes": len(eps), "finished_episodes": sum(e.records() is not None for e in eps),
+    # finished: whole records, or a light DONE (its score; its tokens are its journaled calls, EpisodeLog.finished)
+    return {"groups": len(groups), "episodes": len(eps), "finished_episodes": sum(e.finished for e in eps),
             "tokens": tokens, "damaged_records": state.damaged_records, "bytes": state.bytes,
             "torn_tail": any(d.tail for _, d in state.damage)}
 
