@@ -14,9 +14,11 @@ trains against it (`--server-url`, the embedded default's task: tool_agent_loop 
                η = 1 a batch is the first B groups to finish, so timing alone changes which groups share a step;
                on an idle box same-setting runs repeat almost bit for bit, so the timing-varied ones give the
                spread an uninterrupted run really has
-    killed     `--runs` runs, each SIGKILLed at a moment drawn uniformly from [8 s, 0.95 x the baselines' mean wall
-               time] after its start, then resumed with the same command (`agentloop train --run-dir X` + the same
-               flags, the README's), to the end
+    killed     `--runs` runs, each SIGKILLed at a moment drawn uniformly from [0, 0.95 x the same-setting baselines'
+               training phase (their steps' time/step_s summed)] after its journal directory appears (the learner
+               is ready, the first rollout starts: the preflight and learner start before it hold nothing to
+               resume), then resumed with the same command (`agentloop train --run-dir X` + the same flags, the
+               README's), to the end
 Per killed run: the journal as the kill left it (groups, episodes, model tokens, damaged records), what the resume
 reused (its `journal/...` rows: tokens reused, calls and tool calls not made again, finished episodes taken as they
 were, groups dropped as too stale), prompts skipped (handed out, never trained, not pending in the final data
@@ -98,11 +100,19 @@ def run_to_end(cmd: list[str], log: Path, timeout_s: float = 1800) -> float:
 
 
 def run_and_kill(cmd: list[str], log: Path, at_s: float, run_dir: Path) -> dict[str, Any]:
-    """Start `cmd`, SIGKILL its process group `at_s` seconds later; the learner must die with it."""
+    """Start `cmd`; once its journal directory exists (the learner is ready and the first rollout starts: the
+    startup before it, preflight and learner start, holds nothing to resume), SIGKILL its process group `at_s`
+    seconds later; the learner must die with it."""
     t0 = time.monotonic()
     with log.open("ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    while time.monotonic() - t0 < at_s and proc.poll() is None:
+    t_journal = None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if t_journal is None and (run_dir / "journal").is_dir():
+            t_journal = now
+        if t_journal is not None and now - t_journal >= at_s:
+            break
         time.sleep(0.01)
     ended_itself = proc.poll() is not None
     learner = None
@@ -119,8 +129,9 @@ def run_and_kill(cmd: list[str], log: Path, at_s: float, run_dir: Path) -> dict[
     while learner is not None and _alive(learner) and time.monotonic() < deadline:
         time.sleep(0.05)
     rows = _rows(run_dir)
-    return {"killed_at_s": time.monotonic() - t0, "ended_before_kill": ended_itself,
-            "learner_outlived": learner is not None and _alive(learner),
+    return {"killed_at_s": time.monotonic() - t0,
+            "killed_after_journal_s": None if t_journal is None else time.monotonic() - t_journal,
+            "ended_before_kill": ended_itself, "learner_outlived": learner is not None and _alive(learner),
             "steps_logged_at_kill": [int(r["step"]) for r in rows],
             "batches_at_kill": sorted(int(p.name.split("-")[1]) for p in (run_dir / "mailbox").glob("step-*")
                                       if (p / "batch.ready").exists()) if (run_dir / "mailbox").is_dir() else []}
@@ -148,7 +159,8 @@ def journal_at_kill(run_dir: Path) -> dict[str, Any]:
     for e in eps:
         recs = e.records()
         tokens += sum(r.num_model_tokens for r in recs) if recs is not None else e.model_tokens
-    return {"groups": len(groups), "episodes": len(eps), "finished_episodes": sum(e.records() is not None for e in eps),
+    # finished: whole records, or a light DONE (its score; its tokens are its journaled calls, EpisodeLog.finished)
+    return {"groups": len(groups), "episodes": len(eps), "finished_episodes": sum(e.finished for e in eps),
             "tokens": tokens, "damaged_records": state.damaged_records, "bytes": state.bytes,
             "torn_tail": any(d.tail for _, d in state.damage)}
 
@@ -239,16 +251,23 @@ def ks_test(a: list[int], b: list[int]) -> dict[str, float]:
 # ---------------------------------------------------------------------------- the report
 
 
+def _after(kill: dict[str, Any]) -> str:
+    a = kill.get("killed_after_journal_s")
+    return "-" if a is None else f"{a:.1f}"
+
+
 def report(out: Path, res: dict[str, Any]) -> str:
     killed, base = res["killed"], res["baselines"]
-    lines = ["| run | killed at s | steps logged / batches at kill | journal at kill: groups, episodes (finished), "
-             "model tokens, damaged | resumed at | tokens reused | calls / tool calls not made again | finished "
-             "taken as were | dropped stale (episodes) | restarted | skipped | trained twice |",
+    lines = ["| run | killed at s (after the journal appeared) | steps logged / batches at kill | journal at kill: "
+             "groups, episodes (finished), model tokens, damaged | resumed at | tokens reused | calls / tool calls "
+             "not made again | finished taken as were | dropped stale (episodes) | restarted | skipped | "
+             "trained twice |",
              "|---|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for k in killed:
         j, r, t = k["journal_at_kill"], k["resume"], k["trained"]
         lines.append(
-            f"| {k['name']} | {k['kill']['killed_at_s']:.1f} | {k['kill']['steps_logged_at_kill'] or '-'} / "
+            f"| {k['name']} | {k['kill']['killed_at_s']:.1f} ({_after(k['kill'])}) | "
+            f"{k['kill']['steps_logged_at_kill'] or '-'} / "
             f"{k['kill']['batches_at_kill'] or '-'} | {j['groups']}, {j['episodes']} ({j['finished_episodes']}), "
             f"{j['tokens']}, {j['damaged_records']}{' (torn tail)' if j.get('torn_tail') else ''} | "
             f"{r['resumed_at']} | {r['tokens_reused']} | {r['calls_reused']} / {r['effects_reused']} | "
@@ -263,7 +282,9 @@ def report(out: Path, res: dict[str, Any]) -> str:
     identical = sum(min(v) < 1e-4 for v in w.get("killed_to_same_setting", {}).values() if v)
     ks = res["lengths_test"]
     text = [
-        f"{len(killed)} killed-and-resumed runs, {len(base)} uninterrupted runs; {res['config']}",
+        f"{len(killed)} killed-and-resumed runs (of {res.get('runs_asked', len(killed))} asked), {len(base)} "
+        f"uninterrupted runs; {res['config']}; each killed at a moment drawn uniformly from [0, "
+        f"{res.get('kill_window_s', float('nan')):.1f} s] after its journal appeared",
         "",
         "\n".join(lines),
         "",
@@ -303,11 +324,19 @@ def main() -> None:
     ap.add_argument("--server-url", default=None)
     ap.add_argument("--seed", type=int, default=30)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--kill-window-s", type=float, default=None,
+                    help="kill each run at a moment drawn uniformly from [0, this] seconds after its journal "
+                         "appears (default: 0.95 x the same-setting uninterrupted runs' training phase)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="start no killed run once this many seconds have passed since the script started (the "
+                         "report says how many of --runs ran)")
     args, extra = ap.parse_known_args()
+    started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.json"
     res: dict[str, Any] = json.loads(res_path.read_text()) if res_path.exists() else {"baselines": [], "killed": []}
+    res["runs_asked"] = args.runs
     res["config"] = (f"{args.steps} steps x {args.prompts} prompts x {args.samples} samples, tool_agent_loop on "
                      f"calculator_train, async eta=1, journal on, rollout.seed=1 learner.seed=1, extra {extra}")
     from agentloop.models.warmstart import ensure_warm_model
@@ -341,15 +370,23 @@ def main() -> None:
                                          "max_concurrency": conc})
                 res_path.write_text(json.dumps(res))
                 print(f"{name} (rollout.max_concurrency={conc}): {wall:.0f} s", flush=True)
-            same = [b["wall_s"] for b in res["baselines"] if b["name"].startswith("base-")]
-            mean_wall = statistics.mean(same or [b["wall_s"] for b in res["baselines"]])
+            # the kill window: the training phase of the same-setting uninterrupted runs (from the first rollout to
+            # the last update: their steps' time/step_s summed), counted from the moment the journal appears
+            same = [b for b in res["baselines"] if b["name"].startswith("base-")] or res["baselines"]
+            phase = statistics.mean(sum(r["time/step_s"] for r in _rows(out / b["name"])) for b in same)
+            window = args.kill_window_s if args.kill_window_s is not None else 0.95 * phase
+            res["kill_window_s"] = window
             rng = random.Random(args.seed)
-            moments = [rng.uniform(8.0, 0.95 * mean_wall) for _ in range(args.runs)]
+            moments = [rng.uniform(0.0, window) for _ in range(args.runs)]
             done = {k["name"] for k in res["killed"]}
             for i, at in enumerate(moments):
                 name = f"kill-{i:02d}"
                 if name in done:
                     continue
+                if args.time_budget_s is not None and time.monotonic() - started > args.time_budget_s:
+                    print(f"time budget of {args.time_budget_s:.0f} s spent: {len(res['killed'])} of {args.runs} "
+                          "killed runs done", flush=True)
+                    break
                 run_dir = out / name
                 cmd = train_cmd(url, model, run_dir, args, extra)
                 kill = run_and_kill(cmd, out / f"{name}.log", at, run_dir)

@@ -25,6 +25,27 @@ TURNS = 3
 CALLS: list[str] = []
 """Every tool call that really ran (not replayed)."""
 GATE: dict[str, asyncio.Event] = {}
+WAITERS: list[tuple[Any, asyncio.Event]] = []
+"""(predicate on CALLS, event) pairs: `ran` sets an event once its predicate holds."""
+
+
+def ran(call: str) -> None:
+    CALLS.append(call)
+    for pred, event in WAITERS:
+        if pred(CALLS):
+            event.set()
+
+
+async def calls_until(pred) -> None:
+    """Return once `pred(CALLS)` holds: checked now and after every tool call that runs."""
+    if pred(CALLS):
+        return
+    entry = (pred, asyncio.Event())
+    WAITERS.append(entry)
+    try:
+        await entry[1].wait()
+    finally:
+        WAITERS.remove(entry)
 
 
 class Calc:
@@ -56,7 +77,7 @@ class Turns(AgentLoopBase):
             args = {"x": out.token_ids[0], "turn": turn}
 
             async def call(args=args) -> dict:
-                CALLS.append(f"{sample.episode_id}:{args['turn']}")
+                ran(f"{sample.episode_id}:{args['turn']}")
                 gate = GATE.get(sample.episode_id)
                 if gate is not None and args["turn"] == 1:
                     await gate.wait()
@@ -108,8 +129,9 @@ def tokens(outs) -> list[tuple]:
 
 
 async def run_groups(c: Config, fake: FakeSGLang | list[FakeSGLang], loop_cls, groups: list[Sample], n: int,
-                     journal: Journal | None, *, stop_after: int | None = None):
-    """Every group to the end, or (`stop_after` completed calls) cancelled mid-way with calls held: the kill."""
+                     journal: Journal | None, *, stop_after: int | None = None, tool_calls: int = 0):
+    """Every group to the end, or (`stop_after` completed calls, then `tool_calls` tool calls run since CALLS was
+    last cleared) cancelled mid-way with calls held: the kill."""
     fakes = fake if isinstance(fake, list) else [fake]
     async with ServerManager([f.url for f in fakes], c.manager, initial_version=2) as sm:
         eng = RolloutEngine(c, sm, None, loop_cls, progress=False)
@@ -119,7 +141,9 @@ async def run_groups(c: Config, fake: FakeSGLang | list[FakeSGLang], loop_cls, g
         if stop_after is None:
             return [await st.next() for _ in groups]
         await fakes[0].wait_until(lambda f: len(f.completed) >= stop_after and f.inflight > 0)
-        await asyncio.sleep(0.05)  # let the answered calls' tool calls run and journal
+        # the answered calls' tool calls have run, and so are journaled: a tool call's result is put in the
+        # journal before its loop's next await
+        await calls_until(lambda calls: len(calls) >= tool_calls)
         await st.cancel_all("killed")
         return []
 
@@ -142,7 +166,7 @@ def test_a_killed_episode_goes_on_from_its_last_journaled_token_without_calling_
             ref = await run_groups(c, ref_fake, Turns, samples(2), 2, None)
             CALLS.clear()
             j = open_journal(c, tmp_path / "j")
-            await run_groups(c, f1, Turns, samples(2), 2, j, stop_after=5)
+            await run_groups(c, f1, Turns, samples(2), 2, j, stop_after=5, tool_calls=5)  # one after each call
             j.close()
             ran_before = list(CALLS)
             j = open_journal(c, tmp_path / "j")
@@ -201,8 +225,7 @@ def _killed_in_a_tool(c: Config, d: Path, loop_cls) -> None:
             async with ServerManager([fake.url], c.manager, initial_version=2) as sm:
                 st = RolloutEngine(c, sm, None, loop_cls, progress=False).stream(journal=j)
                 st.submit(samples(1)[0], 1)
-                while "20-0:1" not in CALLS:
-                    await asyncio.sleep(0.01)
+                await calls_until(lambda calls: "20-0:1" in calls)
                 await st.cancel_all("killed")
             j.close()
         finally:
