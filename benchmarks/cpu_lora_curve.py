@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["full", "lora"], default=None)
     ap.add_argument("--summarize-only", action="store_true")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     out = Path(a.out)
     common = [f"train.steps={a.steps}", "train.val_every=4", "train.tensorboard=false", *a.overrides]
     runs = {"full": common, "lora": [*common, "learner.lora.enabled=true", "learner.lora.rank=16",

@@ -121,3 +121,44 @@ def test_lora_configs_that_cannot_work_are_refused_with_their_reason(tiny_model)
     with pytest.raises(ValueError, match="matches no linear layer"):
         inject_lora(model, LORA.model_copy(update={"target_modules": ["wq"]}))
     assert adapter_name(3) == "agentloop-v3"
+
+
+def test_lora_on_two_ranks_matches_one_rank(tiny_model, tmp_path):
+    """torchrun, 2 CPU ranks (gloo): FSDP2 shards the frozen base and the adapters; the mailbox learner's step-1
+    adapter (weights/step-1, what the servers load) equals one rank's on the whole batch."""
+    from agentloop.train.handle.mailbox import MailboxClient
+    from agentloop.train.trainer.main import load_sections
+    from tests.unit.train.test_learner import _finish, _launch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # adam_eps 1: Adam's first steps turn near-zero gradients (A's, while B is still ~0) into +-lr by their sign,
+    # which float summation order may flip; with eps 1 the update follows the gradient's size (as test_learner's)
+    overrides = ["learner.device=cpu", "learner.lr=0.05", "learner.adam_eps=1.0", "learner.poll_s=0.05", "learner.micro_batch_tokens=30",
+                 "learner.mini_batches=2", "learner.lora.enabled=true", "learner.lora.rank=4",
+                 "learner.lora.alpha=8"]
+    batch = make_records(1, seed=21, groups=3)
+    proc = _launch(run, tiny_model, overrides, nproc=2)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        assert client.wait_ready(180)["world_size"] == 2
+        client.submit_records(1, batch, load_sections(None, overrides)[0])
+        res = client.wait_update(1, 120)
+        _finish(proc, client, run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    algo, cfg = load_sections(None, overrides)
+    learner = Learner(tiny_model, algo, cfg)
+    try:
+        m = learner.train_step(batch, 1)
+        one = read_adapter(learner.save_adapter(tmp_path / "one"))[1]
+    finally:
+        learner.close()
+    two = read_adapter(res.weights_dir)[1]
+    assert res.metrics["actor/loss"] == pytest.approx(m["actor/loss"], rel=1e-4, abs=1e-6)
+    assert one.keys() == two.keys()
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=0, msg=k)
+    assert any(float(v.abs().sum()) > 0 for k, v in two.items() if ".lora_B." in k)
