@@ -98,15 +98,7 @@ def pool_for(cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
     """The servers of `server.urls`, or `server.num_local` local ones."""
     if cfg.server.urls:
         return UrlPool(list(cfg.server.urls))
-    server = cfg.server
-    if cfg.learner.lora.enabled:  # servers that serve the run's adapters (server.extra_args come later and win)
-        from agentloop.inference.launcher import resolve_device
-        from agentloop.train.lora import server_args
-
-        server = server.model_copy(update={"extra_args": [*server_args(cfg.learner.lora,
-                                                                       resolve_device(server.device)),
-                                                          *server.extra_args]})
-    return LocalPool(server, model_path, run_dir)
+    return LocalPool(cfg.server, model_path, run_dir)
 
 
 @contextlib.asynccontextmanager

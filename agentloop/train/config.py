@@ -253,7 +253,7 @@ class LoraConfig(_Section):
     """The adapters' rank r."""
     alpha: float = Field(default=32.0, gt=0)
     """LoRA alpha: the update is scaled by alpha / rank (as PEFT and SGLang do; no rsLoRA)."""
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    target_modules: list[str] = Field(default_factory=lambda: sorted(LORA_DEFAULT_TARGETS))
     """Names (the last part) of the linear layers that get adapters; the LM head and embeddings never do."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapters' input in the loss pass only (the recomputed and served logprobs never drop);

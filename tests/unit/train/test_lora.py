@@ -162,3 +162,17 @@ def test_lora_on_two_ranks_matches_one_rank(tiny_model, tmp_path):
     for k in one:
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=0, msg=k)
     assert any(float(v.abs().sum()) > 0 for k, v in two.items() if ".lora_B." in k)
+
+
+def test_a_lora_runs_launched_servers_get_the_lora_flags_before_the_users():
+    from agentloop.config import load_config
+    from agentloop.train.orchestrator.backend import with_lora_server_args
+
+    plain = load_config(None, ["server.device=cpu"])
+    assert with_lora_server_args(plain) is plain
+    cfg = load_config(None, ["server.device=cpu", "learner.lora.enabled=true", "learner.lora.rank=8",
+                             'server.extra_args=["--lora-backend", "triton"]'])
+    args = with_lora_server_args(cfg).server.extra_args
+    assert args[:3] == ["--enable-lora", "--max-lora-rank", "8"]
+    assert args[-2:] == ["--lora-backend", "triton"]  # the user's flags come last and win
+    assert "torch_native" in args and cfg.server.extra_args == ["--lora-backend", "triton"]
