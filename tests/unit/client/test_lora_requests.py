@@ -26,7 +26,7 @@ def test_the_served_adapter_names_agree():
     assert LORA_ADAPTER_PREFIX == ADAPTER_PREFIX and adapter_name(4) == "agentloop-v4"
 
 
-@pytest.mark.parametrize("mode", ["abort", "retract"])
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_requests_name_their_adapter_and_tokens_carry_its_version(mode):
     async def main():
         fake = await FakeSGLang(token_delay_s=0.01).start()
@@ -52,5 +52,5 @@ def test_requests_name_their_adapter_and_tokens_carry_its_version(mode):
     if mode == "abort":  # cut and continued under the new adapter, named
         k = out.token_versions.index(3)
         assert out.token_versions == [2] * k + [3] * (40 - k) and reqs[2]["lora_path"] == "agentloop-v3"
-    else:  # SGLang kept the request on adapter 2: every token is 2's, whatever the label's spans said
+    else:  # retract, in_place: SGLang kept the request on adapter 2: every token is 2's, whatever the spans said
         assert len(reqs) == 2 and out.token_versions == [2] * 40 and out.weight_version == "2"
