@@ -24,6 +24,9 @@ paths that need two GPUs. Rows:
     ray-cost-1gpu        the same `agentloop train` on one GPU (colocated, tensor), local then Ray
                          (cluster.backend=ray cluster.colocate=true): steps/h, Ray costs < 2%
     learner-1rank-S      `agentloop bench train` (varlen + compile), S = 0.5b and 1.5b shapes, one rank: MFU
+    lora-0.5b            benchmarks/lora_bench.py, 0.5B shape, GPU 1, one LoRA-serving server: the learner's peak
+                         memory and step time and the push (save + server load) of full weights vs a rank-32
+                         adapter; LoRA's peak below full weights', its push < 0.05 s (issue 32's target)
   part two (resume, interrupts and the Ray kill at once, then the learner on two ranks, then Ray's cost)
     resume-nccl          as resume-tensor with learner.weight_sync=nccl (server GPU 0, learner GPU 1)
     resume-journal       after resume-nccl, on its GPUs: `agentloop train` (async, η = 1, nccl, the episode journal on
@@ -244,16 +247,18 @@ class Acceptance:
     # ------------------------------------------------------------------ servers
 
     def server(self, model: Path, gpu: int, log: Path, *, mem: float, tokens: int | None = None,
-               extra: list[str] = ()) -> Server:
+               extra: list[str] = (), smoke_extra: list[str] = ()) -> Server:
         """A server as agentloop's launcher starts one (its command line and environment), on GPU `gpu`, ready; the
         caller stops it. `tokens` caps its KV pool: several servers share a GPU only so (SGLang starts only with
-        (1 - mem) of the GPU free, and then takes all of it for the pool unless capped)."""
+        (1 - mem) of the GPU free, and then takes all of it for the pool unless capped). `smoke_extra`: flags the CPU
+        smoke run's server gets (it gets none of `extra`)."""
         from agentloop.inference.launcher import LocalServer
 
         spec = LocalServer(model, device=self.device, gpu_id=None if self.smoke else gpu,
                            max_total_tokens=32768 if self.smoke else tokens,
                            mem_fraction_static=None if self.smoke else mem,
-                           extra_args=[*self.server_args, *extra] if not self.smoke else [], log_path=log)
+                           extra_args=[*self.server_args, *extra] if not self.smoke else list(smoke_extra),
+                           log_path=log)
         return Server(spec.command(), spec.environment(), spec.url, log).start(timeout=400)
 
     def server_overrides(self, *, fast: bool = True) -> list[str]:
@@ -647,7 +652,6 @@ class Rows:
         run = getattr(self, "_plan_run", None) or self.acc.work / "cost-separate-local"
         check_plan(r, run)
 
-
     def kill_server(self, r: Row) -> None:
         """Ray (a head started here, `ray start --head`, the README's way), two server actors on GPU 0, the learner on
         GPU 1: one server actor killed while step 2's groups run; every group whole, the run finishes."""
@@ -729,6 +733,54 @@ class Rows:
         r.figure = (f"server actor {killed} killed after step 1; 3 steps, every group whole (0 episodes lost), "
                     f"{rows[-1].get('server/ejections', 0):.0f} ejection(s); weights fetched for the node "
                     f"{len(fetches)} time(s) ({', '.join(Path(f['to']).name for f in fetches)})")
+
+    # ---- LoRA against full weights: learner memory, step time, the push
+
+    def lora(self, r: Row, gpu: int) -> None:
+        """benchmarks/lora_bench.py on the 0.5B shape (the tiny model on the CPU) against one LoRA-serving server:
+        the learner's peak memory and step time, and the push (save + server load) of full weights and of a rank-32
+        adapter. Targets (issue 32): LoRA's push < 0.05 s at rank 32, its learner peak below full weights'."""
+        from agentloop.train.config import LoraConfig
+        from agentloop.train.lora import server_args
+
+        acc = self.acc
+        lora = LoraConfig(enabled=True, rank=32 if not acc.smoke else 8, alpha=64)
+        model = self.model("q05")
+        srv = acc.server(model, gpu, acc.logs / "lora-0.5b-server.log", mem=0.4, tokens=65536,
+                         extra=["--disable-cuda-graph", *server_args(lora, "cuda")],
+                         smoke_extra=server_args(lora, "cpu"))
+        out = acc.work / "lora-0.5b.json"
+        try:
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_bench.py"), "--model", str(model), "--server-url",
+                   srv.url, "--out", str(out), "--rank", str(lora.rank),
+                   *(["--device", "cuda"] if not acc.smoke else ["--device", "cpu", "--sequences", "4",
+                                                                 "--prompt-tokens", "16", "--response-tokens", "16"])]
+            with Path(r.log).open("ab") as fh:
+                fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+                fh.flush()
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=acc.env(str(gpu)), cwd=ROOT,
+                                    timeout=400).returncode
+        finally:
+            srv.stop()
+        if rc != 0 or not out.is_file():
+            raise Failed(f"benchmarks/lora_bench.py exited {rc}")
+        res = json.loads(out.read_text())
+        full, ad = res["full"], res["lora"]
+        r.data = res
+        mem = ("" if full["peak_memory_gib"] is None else
+               f"learner peak {ad['peak_memory_gib']:.2f} GiB (LoRA) vs {full['peak_memory_gib']:.2f} GiB (full); ")
+        r.figure = (f"rank {lora.rank}: {mem}step {ad['step_s']:.2f} s vs {full['step_s']:.2f} s; push "
+                    f"{ad['push_s'] * 1e3:.0f} ms ({ad['push_bytes'] / 2**20:.1f} MiB: save {ad['save_s'] * 1e3:.0f} + "
+                    f"load {ad['load_s'] * 1e3:.0f}) vs {full['push_s'] * 1e3:.0f} ms "
+                    f"({full['push_bytes'] / 2**20:.0f} MiB); trainable {ad['trainable_params'] / 1e6:.1f}M of "
+                    f"{full['trainable_params'] / 1e6:.0f}M")
+        if ad["push_bytes"] >= full["push_bytes"]:
+            raise Failed("the adapter is not smaller than the full weights: " + r.figure)
+        if not acc.smoke:
+            if ad["peak_memory_gib"] >= full["peak_memory_gib"]:
+                raise Failed("LoRA's learner peak is not below full weights': " + r.figure)
+            if ad["push_s"] >= 0.05:
+                raise Failed("LoRA push >= 0.05 s (target < 0.05 s at rank 32): " + r.figure)
 
     # ---- the learner alone
 
@@ -898,6 +950,8 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
                 single)
         acc.row("learner-1rank-1.5b", "bench train, varlen + compile, one rank, 1.5B shape", 100, "1",
                 lambda r: rows.learner(r, 1, "qwen2.5-1.5b-shape", "1"))
+        acc.row("lora-0.5b", "LoRA rank 32 vs full weights, 0.5B shape: learner memory, step, push", 150, "1",
+                lambda r: rows.lora(r, 1))
 
     if not acc.smoke and acc.wants("learner-"):
         prebuild("qwen2.5-1.5b-shape")

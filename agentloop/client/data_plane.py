@@ -64,6 +64,8 @@ from agentloop.routing import Availability
 from agentloop.util.http1 import Disconnected, HttpError, HttpTimeout
 from agentloop.util.pacing import step_gate
 
+LORA_ADAPTER_PREFIX = "agentloop-v"
+"""Served adapter names (agentloop.train.lora.adapter_name): this prefix and the version."""
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -238,6 +240,11 @@ class DataPlane:
                 # interrupt in between, or cut by one, ran under one version: the one the server reports.
                 single = s.pauses == pauses or s.pause_mode == "abort"
                 out = parse_generate_response(body, url, stamp=stamp, single_version=single)
+                if s.lora_adapters:
+                    # the request named adapter version `stamp`, and SGLang keeps a request on the adapter it
+                    # named until it ends (an update loads another adapter beside it): every token is stamp's
+                    out.token_versions = [stamp] * len(out.token_ids)
+                    out.weight_version = None if stamp is None else str(stamp)
             except asyncio.CancelledError:
                 s.stats["cancelled_calls"] += 1
                 s.spawn(self._abort_quietly(url, rid), name=f"abort-{rid}")
@@ -293,6 +300,8 @@ class DataPlane:
                                    "logprob_start_len": -1, "rid": rid, "stream": False}
         if s.cache_salt and stamp is not None:
             payload["extra_key"] = f"agentloop-v{stamp}"
+        if s.lora_adapters and stamp:  # version 0 is the base model (a fresh adapter's B is zero)
+            payload["lora_path"] = f"{LORA_ADAPTER_PREFIX}{stamp}"
         return bytes(memoryview(orjson.dumps(payload)))
 
     def end_episode(self, episode_id: str) -> None:

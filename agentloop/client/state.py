@@ -63,6 +63,9 @@ class ManagerState:
         """Reloads the current weights into one stale server before it is re-admitted (None: it waits for a push)."""
         self.cache_salt = cache_salt
         """Requests carry a per-version `extra_key` (the in_place interrupt mode)."""
+        self.lora_adapters = False
+        """LoRA training (agentloop.train.weights.lora_servers): version v > 0 is the adapter `agentloop-v<v>`, each
+        request names its server's adapter (`lora_path`) and all its tokens carry that version."""
         self.on_event = on_event
         self.session: aiohttp.ClientSession | None = None
         """Admin calls, health probes and https /generate."""

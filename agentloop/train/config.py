@@ -240,6 +240,38 @@ class AlgoConfig(_Section):
         return self
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    enabled: bool = False
+    """Train a LoRA adapter instead of the full weights (agentloop.train.lora): the base model is frozen, each
+    target projection gets a rank-`rank` update B A (B zero at the start: the first policy is the base model), the
+    optimizer holds only the adapters, and every step's adapter (a few MB) is loaded into the servers as a
+    versioned adapter (/load_lora_adapter; episodes generate with it, each token's version names it)."""
+    rank: int = Field(default=16, ge=1)
+    """The adapters' rank r."""
+    alpha: float = Field(default=32.0, gt=0)
+    """LoRA alpha: the update is scaled by alpha / rank (as PEFT and SGLang do; no rsLoRA)."""
+    target_modules: list[str] = Field(default_factory=lambda: sorted(LORA_DEFAULT_TARGETS))
+    """Names (the last part) of the linear layers that get adapters; the LM head and embeddings never do."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in the loss pass only (the recomputed and served logprobs never drop);
+    0 keeps the loss pass's logprobs equal to the servers' (exactness), so it is the default."""
+    seed: int = 0
+    """Seed of the adapters' initial A matrices (B starts at zero)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("learner.lora.target_modules is empty: name at least one linear layer (e.g. q_proj)")
+        bad = [m for m in v if m in ("lm_head", "embed_tokens")]
+        if bad:
+            raise ValueError(f"learner.lora.target_modules={bad}: the LM head and the embeddings take no adapter here")
+        return sorted(set(v))
+
+
 class LearnerConfig(_Section):
     lr: float = Field(default=1e-6, gt=0)
     """Peak learning rate of AdamW."""
@@ -373,6 +405,8 @@ class LearnerConfig(_Section):
     weight_sync_timeout_s: float = Field(default=600.0, gt=0)
     """tensor/nccl: deadline of each call to a server, of the NCCL group's rendezvous and collectives,
     and of rank 0's wait for the orchestrator to pause the servers."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA training (disabled by default): see LoraConfig."""
 
     @field_validator("share_prompt", "checkpoint_background", "compile", mode="before")
     @classmethod
@@ -395,6 +429,10 @@ class LearnerConfig(_Section):
         if self.ranks is not None and self.ranks % self.nnodes:
             raise ValueError(f"learner.ranks={self.ranks} is not a multiple of learner.nnodes={self.nnodes}: every "
                              "host runs the same number of ranks (learner.ranks counts them all)")
+        if self.lora.enabled and self.weight_sync != "disk":
+            raise ValueError(f"learner.lora.enabled with learner.weight_sync={self.weight_sync!r}: a LoRA step's "
+                             "adapter reaches the servers as an adapter directory (/load_lora_adapter), so only "
+                             "weight_sync=disk is supported with LoRA (the adapter is a few MB)")
         if self.weight_sync != "disk" and self.device == "cpu":
             raise ValueError(f"weight_sync={self.weight_sync!r} needs a GPU learner (device cuda or auto)")
         return self
@@ -411,4 +449,5 @@ class LearnerConfig(_Section):
         return self.world_size // self.nnodes
 
 
-__all__ = ["AlgoConfig", "LearnerConfig", "LossAggMode", "RS_OPTIONS", "RsRule", "parse_rollout_rs"]
+__all__ = ["AlgoConfig", "LORA_DEFAULT_TARGETS", "LearnerConfig", "LoraConfig",
+           "LossAggMode", "RS_OPTIONS", "RsRule", "parse_rollout_rs"]

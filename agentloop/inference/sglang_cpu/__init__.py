@@ -9,6 +9,7 @@ directory provides that module, which registers (in namespace `sgl_kernel`, with
 Map:
     ops.py              the op implementations and `register()` (idempotent; skips ops already defined)
     seeded_sampling.py  makes `sampling_seed` reproducible on CPU (SGLang ignores it there)
+    no_pin.py           pinned host memory is a no-op without CUDA (SGLang's LoRA layers pin index tensors)
     site/common_ops.py  the module sgl_kernel falls back to; importing it calls both
     launch_server.py    `python -m agentloop.inference.sglang_cpu.launch_server <sglang args>`
 

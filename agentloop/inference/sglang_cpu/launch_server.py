@@ -12,11 +12,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    from agentloop.inference.sglang_cpu.no_pin import install as install_no_pin
     from agentloop.inference.sglang_cpu.ops import register
     from agentloop.inference.sglang_cpu.seeded_sampling import install
 
     register()
     install()
+    install_no_pin()
     sys.argv = ["sglang.launch_server", *(sys.argv[1:] if argv is None else argv)]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

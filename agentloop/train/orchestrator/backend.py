@@ -56,10 +56,22 @@ class LocalBackend(Backend):
     name = "local"
 
     def server_pool(self, cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
-        return pool_for(cfg, model_path, run_dir)
+        return pool_for(with_lora_server_args(cfg), model_path, run_dir)
 
     def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:
         return FileLearner.for_run(cfg, run_dir, model_path)
 
 
-__all__ = ["Backend", "LocalBackend"]
+def with_lora_server_args(cfg: Config) -> Config:
+    """With learner.lora, the config whose launched servers serve the run's adapters (agentloop.train.lora.server_args
+    before server.extra_args, which win); the config itself otherwise."""
+    if not cfg.learner.lora.enabled:
+        return cfg
+    from agentloop.inference.launcher import resolve_device
+    from agentloop.train.lora import server_args
+
+    args = [*server_args(cfg.learner.lora, resolve_device(cfg.server.device)), *cfg.server.extra_args]
+    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"extra_args": args})})
+
+
+__all__ = ["Backend", "LocalBackend", "with_lora_server_args"]

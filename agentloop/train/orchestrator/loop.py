@@ -91,6 +91,7 @@ from agentloop.train.orchestrator.served_model import align_served_weights, chec
 from agentloop.train.planning.preflight import Preflight, run_preflight, say_lines
 from agentloop.train.planning.render import plan_summary, served_kv_tokens
 from agentloop.train.probe import check_served_logprobs
+from agentloop.train.weights.lora_servers import LoraHalf
 from agentloop.train.weights.servers import ServerHalf, Stage, same_path, server_half
 from agentloop.util.rundir import RecordWriter, make_run_dir, write_json
 from agentloop.util.runtime import run_async
@@ -270,7 +271,8 @@ class Trainer:
         # the synchronous schedule is η = 0 whatever train.max_staleness says (its default is the async one's)
         self.staleness = Staleness(cfg.train.max_staleness if cfg.train.schedule == "async" else 0)
         self.interrupt = interrupt_policy(cfg.train.interrupt)
-        self.weights: ServerHalf = server_half(cfg.learner.weight_sync)(sm, self.interrupt, learner, stage=stage)
+        half = LoraHalf if cfg.learner.lora.enabled else server_half(cfg.learner.weight_sync)  # adapters, or weights
+        self.weights: ServerHalf = half(sm, self.interrupt, learner, stage=stage)
         """The weight transport's server half (agentloop.train.weights.servers); also the servers' resync."""
         self._cache_seen = (0.0, 0.0)  # the servers' cached and prompt tokens at the last step's row
         self.final: dict[str, Any] = {}

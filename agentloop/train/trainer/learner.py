@@ -154,6 +154,8 @@ class Learner:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
+        self.lora = self.cfg.lora if self.cfg.lora.enabled else None
+        """learner.lora when enabled: the model trains LoRA adapters on a frozen base (agentloop.train.lora)."""
         self.pad_id = self.hf_config.pad_token_id if isinstance(self.hf_config.pad_token_id, int) else 0
         self.mesh = init_device_mesh(self.device_type, (self.world,))
         self.notes: list[str] = [f"model: {line}" for line in self.support.applied]
@@ -180,8 +182,10 @@ class Learner:
         self._heads = {id(self.model): LogprobHead(self.model, transform)}
         if self.ref_model is not None:
             self._heads[id(self.ref_model)] = LogprobHead(self.ref_model, transform)
+        # LoRA: only the adapters are trainable (agentloop.train.lora), so the optimizer holds only them
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps,
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, betas=self.cfg.betas,
+            eps=self.cfg.adam_eps,
             weight_decay=self.cfg.weight_decay,
         )
         self._ckpt = None  # CheckpointWriter, created at the first background save
@@ -226,6 +230,13 @@ class Learner:
         check_attn_impl(model, self.attention)
         neutralize_head(model, self.support)  # its LogprobHead applies the head transform instead
         model.config.use_cache = False
+        lora_init: dict[str, Any] = {}
+        if trainable and self.lora is not None:
+            from agentloop.train.lora import initial_adapter, inject_lora
+
+            names = inject_lora(model, self.lora)  # the base frozen, the adapters trainable
+            if src is not None:  # rank 0: the adapters' initial tensors travel with the base weights
+                lora_init = initial_adapter(src["state"], names, self.lora.rank, self.lora.seed)
         if trainable and self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
@@ -233,7 +244,7 @@ class Learner:
         layers = self._layers(model)  # before sharding renames their classes (FSDPQwen2DecoderLayer)
         model = self._shard(model, mixed=trainable and self.compute_dtype != torch.float32, trainable=trainable)
         model.to_empty(device=self.device)
-        state = {} if src is None else {k: v.to(dtype) for k, v in src["state"].items()}
+        state = {} if src is None else {k: v.to(dtype) for k, v in {**src["state"], **lora_init}.items()}
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
                                                                     broadcast_from_rank0=self.world > 1))
         extras = broadcast(None if src is None else src["extras"], self.device if self.device_type == "cuda" else None)
@@ -619,9 +630,37 @@ class Learner:
         return metrics
 
     # saving ----------------------------------------------------------------------------------
+    def save_served(self, path: str | Path) -> Path:
+        """Collective: what the servers load for this step at `path`: the PEFT adapter directory with LoRA
+        (`save_adapter`), else the HF directory (`save_hf`)."""
+        return self.save_adapter(path) if self.lora is not None else self.save_hf(path)
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """Collective (LoRA only): gather the adapters (only them, a few MB) to rank 0 and write a PEFT adapter
+        directory at `path` (adapter_config.json + adapter_model.safetensors in the compute dtype), atomically."""
+        import torch.distributed as dist
+
+        from agentloop.train.lora import is_lora_key, save_adapter
+
+        if self.lora is None:
+            raise ValueError("save_adapter: this learner trains full weights (learner.lora.enabled is false)")
+        state = {}
+        for name, p in self.model.named_parameters():  # the same order on every rank: the gathers pair up
+            if is_lora_key(name):
+                t = p.detach()
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                if self.rank == 0:
+                    state[name] = t.cpu()
+        path = Path(path)
+        if self.rank == 0:
+            save_adapter(path, state, self.lora, dtype=self.compute_dtype, base_model=str(self.model_path))
+        dist.barrier()
+        return path
+
     def save_hf(self, path: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
         """Collective: gather full weights to rank 0 and write an HF directory at `path`.
 
+        With LoRA, the adapters are merged into their base weights (W + alpha/r * B A, in float32) first.
         Weights are written in the compute dtype as safetensors (sharded with an index above
         `max_shard_bytes`), plus config.json and the model directory's tokenizer / generation
         files, into a temp dir renamed into place, so SGLang's /update_weights_from_disk never
@@ -641,6 +680,10 @@ class Learner:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
             try:
+                if self.lora is not None:
+                    from agentloop.train.lora import merge_state
+
+                    sd = merge_state(sd, self.lora.alpha / self.lora.rank)
                 if getattr(self.hf_config, "tie_word_embeddings", False):
                     sd.pop("lm_head.weight", None)
                 tensors = {k: v.detach().to(self.compute_dtype).contiguous().clone() for k, v in sd.items()}

@@ -37,6 +37,8 @@ from agentloop.train.trainer.learner import Learner
 logger = logging.getLogger("agentloop.train.trainer")
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
+MERGED_DIR = "merged"
+"""LoRA runs: the final weights/step-N (the adapter) holds the merged HF model in this subdirectory."""
 
 
 def serve(
@@ -102,7 +104,7 @@ def serve(
                 # The orchestrator reloads its servers from weights/step-C after a resume. Pushing paths write
                 # no HF weights while training, and weights pruned by an older learner are gone: any sync
                 # path, they are written now, once, from the checkpoint just loaded.
-                learner.save_hf(paths.weights(meta.step))
+                learner.save_served(paths.weights(meta.step))
                 if rank == 0:
                     logger.info("weights of checkpoint step %d were missing: written to %s", meta.step,
                                 paths.weights(meta.step))
@@ -304,7 +306,9 @@ def save_final(learner: Learner, paths: Any, data_position: Any, dev: Any) -> tu
     plan = plan_final_save(learner.step, weights_on_disk, ck_step)
     weights_dir = paths.weights(learner.step)
     if plan.save_weights:
-        learner.save_hf(weights_dir)
+        learner.save_served(weights_dir)
+    if learner.lora is not None:  # the export of a LoRA run: the adapter (weights_dir) and the merged model
+        learner.save_hf(weights_dir / MERGED_DIR)
     if plan.save_checkpoint:
         return weights_dir, learner.save_checkpoint(paths.checkpoints, data_position=data_position, background=False)
     return weights_dir, Path(ck_path)
@@ -335,4 +339,5 @@ def _ask_push(box: Any, step: int, method: str, dev: Any, timeout_s: float) -> A
     return out[1]
 
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_TIMEOUT", "FinalPlan", "plan_final_save", "save_final", "serve"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_TIMEOUT", "FinalPlan", "plan_final_save", "save_final", "serve",
+           "MERGED_DIR"]

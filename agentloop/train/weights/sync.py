@@ -315,7 +315,7 @@ class WeightSync:
         if not last:
             return Published(weights_dir=None, pushed=False, metrics={})
         t = time.perf_counter()
-        out = learner.save_hf(weights_dir)
+        out = learner.save_served(weights_dir)
         return Published(weights_dir=out, pushed=False, metrics={"time/save_hf_s": time.perf_counter() - t})
 
     def close(self, urls: Sequence[str] = ()) -> None:
@@ -415,7 +415,7 @@ class DiskSync(WeightSync):
                 ask: Callable[[int, str], PushOrder]) -> Published:
         """Collective: the learner saves step's HF weights to `weights_dir`; the orchestrator loads them."""
         t = time.perf_counter()
-        out = learner.save_hf(weights_dir)
+        out = learner.save_served(weights_dir)
         return Published(weights_dir=out, pushed=False, metrics={"time/save_hf_s": time.perf_counter() - t})
 
     def publish_replayed(self, learner: Any, step: int, weights_dir: Any, *, last: bool) -> Published:

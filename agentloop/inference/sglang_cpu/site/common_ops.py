@@ -4,6 +4,7 @@ Only on PYTHONPATH for agentloop's CPU SGLang servers; see agentloop/sglang_cpu/
 Importing it registers the pure-torch CPU ops and the seeded-sampling patch in this process.
 """
 
+from agentloop.inference.sglang_cpu.no_pin import install as _install_no_pin
 from agentloop.inference.sglang_cpu.ops import register as _register
 from agentloop.inference.sglang_cpu.seeded_sampling import (
     install as _install_seeded_sampling,
@@ -11,3 +12,4 @@ from agentloop.inference.sglang_cpu.seeded_sampling import (
 
 _register()
 _install_seeded_sampling()
+_install_no_pin()

@@ -1,0 +1,127 @@
+"""The server half of LoRA training (learner.lora.enabled, weight_sync disk): each step's adapter directory is
+loaded into the servers as a versioned adapter, beside the ones in use.
+
+    learner half: DiskSync.publish -> Learner.save_served: weights/step-N is a PEFT adapter directory (a few MB)
+    server half:  LoraHalf.load: pause (the interrupt mode's), POST /load_lora_adapter {"lora_name": "agentloop-vN",
+                  "lora_path": weights/step-N} and /update_weight_version {"new_version": "N"} on every reachable
+                  server, the servers marked as serving N, resume; then the previous adapter is unloaded in the
+                  background (SGLang waits for the requests still using it)
+
+Which adapter a request uses: the data plane names its server's version's adapter in every /generate (`lora_path`,
+agentloop.client.data_plane; version 0 is the base model, which a fresh adapter equals), and every token of the
+answer carries that version: SGLang keeps a request on the adapter it named until it ends, so in the retract and
+in_place modes a request that spans an update goes on with its old adapter and its tokens say so; in abort mode
+it is cut and continued under the new one (data plane), its tokens then carry both versions.
+
+Map:
+    LoraHalf         load (an adapter directory as `version`), resync (one stale server), deliver (a step's update)
+    lora_server_args the SGLang flags launched servers get (agentloop.train.lora.server_args)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from agentloop.errors import RequestError
+from agentloop.train.handle.protocol import SyncRequest, UpdateResult, WeightsOnDisk
+from agentloop.train.lora import adapter_name, server_args
+from agentloop.train.weights.servers import ServerHalf, TransportError
+
+
+class LoraHalf(ServerHalf):
+    """weight_sync disk with learner.lora: adapters, not weights, go to the servers (module doc)."""
+
+    name = "lora"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.sm.state.lora_adapters = True
+        self.loaded: dict[str, set[int]] = {}
+        """Adapter versions this run loaded, per server URL (what is unloaded later)."""
+
+    async def _load_one(self, url: str, path: str, version: int) -> None:
+        s = self.sm.state
+        body = {"lora_name": adapter_name(version), "lora_path": path}
+        try:
+            out = await s.admin_post(url, "/load_lora_adapter", body)
+            if isinstance(out, dict) and out.get("success") is False and "already" in str(out.get("error_message")):
+                # a resumed run on the same servers: the name is taken by an older load of this version
+                await s.admin_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(version)})
+                out = await s.admin_post(url, "/load_lora_adapter", body)
+        except RequestError as e:
+            raise TransportError(f"{url} refused the adapter of version {version} ({path}): {e}. A LoRA run's servers "
+                                 "must serve LoRA: agentloop starts its own with --enable-lora; a server given by "
+                                 "server.urls needs --enable-lora --max-lora-rank R --lora-target-modules ...") from e
+        if isinstance(out, dict) and out.get("success") is False:
+            raise TransportError(f"{url} did not load the adapter of version {version} ({path}): "
+                                 f"{out.get('error_message')}")
+        # the server's label follows, so /model_info says which version it serves (health re-admission reads it)
+        await s.admin_post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        self.loaded.setdefault(url, set()).add(version)
+
+    async def _unload_older(self, url: str, keep: int) -> None:
+        """Best effort, in the background: unload the adapters older than `keep` (SGLang answers once the requests
+        that use one have ended)."""
+        s = self.sm.state
+        for v in sorted(x for x in self.loaded.get(url, set()) if x < keep):
+            try:
+                await s.admin_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(v)},
+                                   timeout=max(s.cfg.admin_timeout_s, 600.0))
+                self.loaded[url].discard(v)
+            except RequestError as e:
+                s.say(f"server {url}: unloading adapter {adapter_name(v)} failed ({e}); it stays loaded")
+
+    async def _paths(self, weights: WeightsOnDisk) -> dict[str, str]:
+        staged = await self.stage(weights)
+        urls = self.sm.urls
+        return {u: staged for u in urls} if isinstance(staged, str) else {u.rstrip("/"): p for u, p in staged.items()}
+
+    async def load(self, weights: WeightsOnDisk, version: int) -> float:
+        """Load the adapter directory `weights` into every reachable server as `version` (module doc); seconds."""
+        t0 = time.monotonic()
+        paths = await self._paths(weights)
+        targets = await self.sm.reachable_targets()
+        await self.sm.pause(mode=self.policy.pause_mode)
+        try:
+            results = await asyncio.gather(*(self._load_one(u, paths[u], version) for u in targets),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            self.sm.mark_updated(version, targets)
+            await self.sm.finish_update(self.policy, targets)
+        finally:
+            await self.sm.resume()
+        self.current = weights
+        self.sm.expect_version(version)
+        for u in targets:
+            self.sm.state.spawn(self._unload_older(u, version), name=f"unload-adapters-{u}")
+        return time.monotonic() - t0
+
+    async def resync(self, url: str) -> None:
+        """Load the current adapter into one server that came back serving another version."""
+        version = self.sm.expected_version
+        if version is None:
+            raise TransportError("no version to resync a server to")
+        if self.current is None or version == 0:
+            await self.sm.state.admin_post(url, "/update_weight_version", {"new_version": str(version),
+                                                                           "abort_all_requests": False})
+            return
+        paths = await self._paths(self.current)
+        await self._load_one(url, paths[url.rstrip("/")], version)
+
+    async def deliver(self, step: int, event: UpdateResult | SyncRequest,
+                      timeout_s: float) -> tuple[UpdateResult, float]:
+        if not isinstance(event, UpdateResult) or event.weights is None:
+            raise TransportError(f"step {step}: LoRA training expects the learner's adapter on disk, got {event}")
+        return event, await self.load(event.weights, step)
+
+
+def lora_server_args(cfg: Any, device: str) -> list[str]:
+    """The flags a LoRA run's launched servers get (before server.extra_args, which win)."""
+    return server_args(cfg, device)
+
+
+__all__ = ["LoraHalf", "lora_server_args"]

@@ -1,0 +1,118 @@
+"""LoRA against full weights, one learner and one SGLang server: the learner's peak memory and step time, and the
+weight push (the learner's save + the server's load) of each.
+
+Usage: python benchmarks/lora_bench.py --model DIR --server-url URL --out OUT.json [--rank 32] [--device cuda]
+       [--sequences 16] [--prompt-tokens 128] [--response-tokens 384]
+The server must serve LoRA (--enable-lora --max-lora-rank >= rank --lora-target-modules ...: agentloop.train.lora.
+server_args). Full weights: Learner.save_hf (weight_sync disk's save) + /update_weights_from_disk; LoRA (rank r,
+alpha 2r, every attention and MLP projection): Learner.save_adapter + /load_lora_adapter. Each mode runs one warmup
+step and two timed ones on the same synthetic GRPO batch, then three pushes (the median is reported); the server
+gets its original weights back at the end. Used by benchmarks/gpu_acceptance.py's row lora-0.5b.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read() or b"{}")
+    if isinstance(out, dict) and out.get("success") is False:
+        raise RuntimeError(f"{path} refused: {out}")
+    return out
+
+
+def _records(vocab: int, n: int, prompt: int, response: int):
+    import torch
+
+    from agentloop.records import EpisodeRecord
+
+    g = torch.Generator().manual_seed(0)
+    recs = []
+    for i in range(n):
+        p = torch.randint(10, vocab - 10, (prompt,), generator=g).tolist()
+        r = torch.randint(10, vocab - 10, (response,), generator=g).tolist()
+        recs.append(EpisodeRecord(prompt_ids=p, response_ids=r, response_mask=[1] * response,
+                                  response_logprobs=[-2.0] * response, reward=float(i % 2), episode_id=f"{i // 4}-{i}",
+                                  index=i // 4, repeat=i % 4, data_source="bench", loop="none", seed=i))
+    return recs
+
+
+def run_mode(mode: str, a: argparse.Namespace, work: Path) -> dict:
+    import torch
+
+    from agentloop.train.config import AlgoConfig, LearnerConfig, LoraConfig
+    from agentloop.train.lora import adapter_name
+    from agentloop.train.trainer.learner import Learner
+
+    lora = LoraConfig(enabled=True, rank=a.rank, alpha=2.0 * a.rank) if mode == "lora" else LoraConfig()
+    cfg = LearnerConfig(device=a.device, lr=1e-5, lora=lora, micro_batch_tokens=a.micro_batch_tokens,
+                        compile="off")
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    learner = Learner(a.model, AlgoConfig(), cfg)
+    try:
+        vocab = int(learner.hf_config.vocab_size)
+        recs = _records(vocab, a.sequences, a.prompt_tokens, a.response_tokens)
+        learner.train_step(recs, 1)  # warmup
+        t = time.perf_counter()
+        for s in (2, 3):
+            learner.train_step(recs, s)
+        step_s = (time.perf_counter() - t) / 2
+        peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
+        trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+        saves, loads = [], []
+        for i in range(3):
+            d = work / f"{mode}-{i}"
+            t = time.perf_counter()
+            learner.save_served(d)
+            saves.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            if mode == "lora":
+                _post(a.server_url, "/load_lora_adapter", {"lora_name": adapter_name(1000 + i), "lora_path": str(d)})
+            else:
+                _post(a.server_url, "/update_weights_from_disk", {"model_path": str(d)})
+            loads.append(time.perf_counter() - t)
+            if mode == "lora":
+                _post(a.server_url, "/unload_lora_adapter", {"lora_name": adapter_name(1000 + i)})
+        size = sum(f.stat().st_size for f in (work / f"{mode}-0").iterdir() if f.is_file())
+    finally:
+        learner.close()
+    if mode == "full":
+        _post(a.server_url, "/update_weights_from_disk", {"model_path": str(a.model)})
+    save, load = statistics.median(saves), statistics.median(loads)
+    return {"peak_memory_gib": peak, "step_s": step_s, "trainable_params": trainable, "push_bytes": size,
+            "save_s": save, "load_s": load, "push_s": save + load}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--server-url", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sequences", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--response-tokens", type=int, default=384)
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
+        res = {m: run_mode(m, a, Path(tmp)) for m in ("full", "lora")}
+    res["config"] = vars(a)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""LoRA training's requests (ManagerState.lora_adapters), against the scripted server: each /generate names its
+server's adapter version (none at version 0, the base model), every token carries the version of the adapter its
+request named (SGLang keeps a request on its adapter whatever the server's label says), and an abort-mode
+continuation names the new adapter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentloop.client.data_plane import LORA_ADAPTER_PREFIX
+from agentloop.config import ManagerConfig
+from agentloop.server_manager import ServerManager
+from agentloop.train.lora import ADAPTER_PREFIX, adapter_name
+from tests.fakes.fake_sglang import FakeSGLang
+
+SP = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 5}
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+def test_the_served_adapter_names_agree():
+    assert LORA_ADAPTER_PREFIX == ADAPTER_PREFIX and adapter_name(4) == "agentloop-v4"
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_requests_name_their_adapter_and_tokens_carry_its_version(mode):
+    async def main():
+        fake = await FakeSGLang(token_delay_s=0.01).start()
+        try:
+            async with ServerManager([fake.url], ManagerConfig(health_interval_s=60), initial_version=0) as sm:
+                sm.state.lora_adapters = True
+                base = await sm.generate("e-0", prompt_ids=[5, 6, 7], sampling_params={**SP, "max_new_tokens": 4})
+                sm.mark_updated(2, [fake.url])
+                fake.started.clear()  # set by the base call
+                gen = asyncio.create_task(sm.generate("e-1", prompt_ids=[5, 6, 7], sampling_params=SP))
+                await fake.started.wait()
+                await sm.pause(mode=mode)
+                # the server's label moves to 3 (its spans say so) while the request still runs on adapter 2
+                await sm.update_weights_from_disk("/w", weight_version=3, flush_cache=False)
+                await sm.resume()
+                return base, await gen, list(fake.requests)
+        finally:
+            await fake.stop()
+
+    base, out, reqs = run(main())
+    assert "lora_path" not in reqs[0] and base.token_versions == [0] * 4  # version 0: the base model
+    assert reqs[1]["lora_path"] == "agentloop-v2"
+    if mode == "abort":  # cut and continued under the new adapter, named
+        k = out.token_versions.index(3)
+        assert out.token_versions == [2] * k + [3] * (40 - k) and reqs[2]["lora_path"] == "agentloop-v3"
+    else:  # retract, in_place: SGLang kept the request on adapter 2: every token is 2's, whatever the spans said
+        assert len(reqs) == 2 and out.token_versions == [2] * 40 and out.weight_version == "2"

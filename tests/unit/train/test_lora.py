@@ -1,0 +1,178 @@
+"""LoRA in the learner (CPU, gloo, a throwaway tiny Qwen2): a zero-initialised adapter is the base model exactly,
+training moves only the adapters, the adapter and merged exports give the learner's logprobs, checkpoints
+resume exactly, and bad configs are refused with their reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentloop.train.config import AlgoConfig, LearnerConfig, LoraConfig
+from agentloop.train.lora import adapter_name, merge_adapter_dir, read_adapter
+from agentloop.train.trainer.learner import Learner
+from tests.unit.train.test_learner import _hf_logprobs, load_weights, make_records, tiny_model, with_logprobs
+
+__all__ = ["tiny_model"]  # the fixture, imported for its module scope here
+
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+
+
+def _cfg(**kw) -> LearnerConfig:
+    return LearnerConfig(device="cpu", lr=kw.pop("lr", 5e-3), micro_batch_tokens=40, lora=LORA, **kw)
+
+
+def test_zero_init_adapter_gives_the_base_models_logprobs_bit_for_bit(tiny_model):
+    recs = make_records(1)
+    base = Learner(tiny_model, AlgoConfig(), LearnerConfig(device="cpu", micro_batch_tokens=40))
+    try:
+        want = base.compute_logprobs(recs)
+    finally:
+        base.close()
+    learner = Learner(tiny_model, AlgoConfig(), _cfg())
+    try:
+        got = learner.compute_logprobs(recs)
+        # the adapters are there (A random, B zero), and trainable; nothing else is
+        names = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+        assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+        assert any(".q_proj.lora_A." in n for n in names) and any(".down_proj.lora_B." in n for n in names)
+        a = next(p for n, p in learner.model.named_parameters() if ".lora_A." in n)
+        assert float(a.detach().abs().sum()) > 0
+        opt_params = sum(p.numel() for g in learner.optimizer.param_groups for p in g["params"])
+        assert opt_params == sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    finally:
+        learner.close()
+    assert got == want
+
+
+def test_lora_training_moves_only_the_adapters_and_its_exports_give_the_learners_logprobs(tiny_model, tmp_path):
+    learner = Learner(tiny_model, AlgoConfig(old_logprobs="rollout"), _cfg())
+    try:
+        base = {n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad}
+        recs = with_logprobs(make_records(1), learner.compute_logprobs(make_records(1)))
+        m = [learner.train_step(recs, s) for s in (1, 2, 3)]
+        assert m[2]["actor/loss"] < m[1]["actor/loss"] < m[0]["actor/loss"]
+        for n, p in learner.model.named_parameters():
+            if n in base:
+                assert torch.equal(p.detach(), base[n]), f"{n} is frozen but moved"
+        lps = learner.compute_logprobs(recs)
+        ad = learner.save_adapter(tmp_path / "adapter")
+        merged = learner.save_hf(tmp_path / "merged")
+        served = learner.save_served(tmp_path / "served")
+    finally:
+        learner.close()
+    conf, tensors = read_adapter(ad)
+    assert (conf["r"], conf["lora_alpha"], conf["peft_type"]) == (4, 8.0, "LORA")
+    assert set(conf["target_modules"]) == set(LORA.target_modules)
+    raw = json.loads((ad / "adapter_config.json").read_text())
+    assert raw["base_model_name_or_path"] == str(tiny_model)
+    from safetensors.torch import load_file
+
+    keys = list(load_file(str(ad / "adapter_model.safetensors")))
+    assert all(k.startswith("base_model.model.model.layers.") for k in keys)  # PEFT's names, what SGLang reads
+    assert any(k.endswith("self_attn.q_proj.lora_A.weight") for k in keys)
+    assert any(float(v.abs().sum()) > 0 for k, v in tensors.items() if ".lora_B." in k)  # B trained away from 0
+    assert sorted(p.name for p in served.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # the merged HF directory is the trained policy (an independent forward), and so is an offline merge
+    for i in (0, 3):
+        assert lps[i] == pytest.approx(_hf_logprobs(merged, recs[i]), abs=1e-5)
+    offline = merge_adapter_dir(tiny_model, ad, tmp_path / "offline")
+    wa, wb = load_weights(merged), load_weights(offline)
+    assert wa.keys() == wb.keys() and not any(".lora_" in k for k in wa)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0, msg=k)
+    assert (offline / "tokenizer_config.json").is_file()
+
+
+def test_lora_checkpoint_roundtrip_is_exact(tiny_model, tmp_path):
+    learner = Learner(tiny_model, AlgoConfig(), _cfg(lr=1e-2, mini_batches=2))
+    try:
+        learner.train_step(make_records(1), 1)
+        ck = learner.save_checkpoint(tmp_path / "ck")
+        learner.train_step(make_records(2), 2)
+        a = read_adapter(learner.save_adapter(tmp_path / "a"))[1]
+        learner.load_checkpoint(ck)
+        assert learner.step == 1
+        learner.train_step(make_records(2), 2)  # needs the restored adapters and their Adam moments
+        b = read_adapter(learner.save_adapter(tmp_path / "b"))[1]
+    finally:
+        learner.close()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_lora_configs_that_cannot_work_are_refused_with_their_reason(tiny_model):
+    with pytest.raises(ValueError, match="only weight_sync=disk"):
+        LearnerConfig(lora=LORA, weight_sync="nccl")
+    with pytest.raises(ValueError, match="LM head"):
+        LoraConfig(enabled=True, target_modules=["lm_head"])
+    with pytest.raises(ValueError, match="is empty"):
+        LoraConfig(enabled=True, target_modules=[])
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from agentloop.train.lora import inject_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    with pytest.raises(ValueError, match=r"\['wq'\], which Qwen2ForCausalLM does not have"):
+        inject_lora(model, LORA.model_copy(update={"target_modules": ["q_proj", "wq"]}))
+    with pytest.raises(ValueError, match="matches no linear layer"):
+        inject_lora(model, LORA.model_copy(update={"target_modules": ["wq"]}))
+    assert adapter_name(3) == "agentloop-v3"
+
+
+def test_lora_on_two_ranks_matches_one_rank(tiny_model, tmp_path):
+    """torchrun, 2 CPU ranks (gloo): FSDP2 shards the frozen base and the adapters; the mailbox learner's step-1
+    adapter (weights/step-1, what the servers load) equals one rank's on the whole batch."""
+    from agentloop.train.handle.mailbox import MailboxClient
+    from agentloop.train.trainer.main import load_sections
+    from tests.unit.train.test_learner import _finish, _launch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # adam_eps 1: Adam's first steps turn near-zero gradients (A's, while B is still ~0) into +-lr by their sign,
+    # which float summation order may flip; with eps 1 the update follows the gradient's size (as test_learner's)
+    overrides = ["learner.device=cpu", "learner.lr=0.05", "learner.adam_eps=1.0", "learner.poll_s=0.05", "learner.micro_batch_tokens=30",
+                 "learner.mini_batches=2", "learner.lora.enabled=true", "learner.lora.rank=4",
+                 "learner.lora.alpha=8"]
+    batch = make_records(1, seed=21, groups=3)
+    proc = _launch(run, tiny_model, overrides, nproc=2)
+    try:
+        client = MailboxClient(run, process=proc, poll_s=0.05)
+        assert client.wait_ready(180)["world_size"] == 2
+        client.submit_records(1, batch, load_sections(None, overrides)[0])
+        res = client.wait_update(1, 120)
+        _finish(proc, client, run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    algo, cfg = load_sections(None, overrides)
+    learner = Learner(tiny_model, algo, cfg)
+    try:
+        m = learner.train_step(batch, 1)
+        one = read_adapter(learner.save_adapter(tmp_path / "one"))[1]
+    finally:
+        learner.close()
+    two = read_adapter(res.weights_dir)[1]
+    assert res.metrics["actor/loss"] == pytest.approx(m["actor/loss"], rel=1e-4, abs=1e-6)
+    assert one.keys() == two.keys()
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=0, msg=k)
+    assert any(float(v.abs().sum()) > 0 for k, v in two.items() if ".lora_B." in k)
+
+
+def test_a_lora_runs_launched_servers_get_the_lora_flags_before_the_users():
+    from agentloop.config import load_config
+    from agentloop.train.orchestrator.backend import with_lora_server_args
+
+    plain = load_config(None, ["server.device=cpu"])
+    assert with_lora_server_args(plain) is plain
+    cfg = load_config(None, ["server.device=cpu", "learner.lora.enabled=true", "learner.lora.rank=8",
+                             'server.extra_args=["--lora-backend", "triton"]'])
+    args = with_lora_server_args(cfg).server.extra_args
+    assert args[:3] == ["--enable-lora", "--max-lora-rank", "8"]
+    assert args[-2:] == ["--lora-backend", "triton"]  # the user's flags come last and win
+    assert "torch_native" in args and cfg.server.extra_args == ["--lora-backend", "triton"]
