@@ -115,6 +115,46 @@ class ServerConfig(Section):
         return out
 
 
+class ConcurrencyConfig(Section):
+    """Requests in flight per server, sized from what each server reports (agentloop.client.concurrency): raised
+    while it has room, lowered before it queues or preempts (AIMD)."""
+
+    adaptive: bool = False
+    """Follow the servers: poll each one's load (SGLang's /v1/loads) and set its limit by the rule in
+    agentloop.client.concurrency. Off: the fixed cap of manager.max_inflight_per_server, or the server's reported
+    max_running_requests."""
+    initial: int = Field(default=64, ge=1)
+    """Each server's limit before its first report."""
+    min_limit: int = Field(default=4, ge=1)
+    """The limit never goes below this."""
+    max_limit: int = Field(default=1024, ge=1)
+    """Hard cap: the limit never goes above this (nor above manager.max_inflight_per_server when set, nor above
+    the requests the server says it runs at once)."""
+    kv_soft: float = Field(default=0.85, gt=0, le=1)
+    """Soft cap on KV usage: at or above this fraction of its KV pool a server's limit is no longer raised."""
+    kv_hard: float = Field(default=0.95, gt=0, le=1)
+    """Hard cap on KV usage: at or above this fraction the limit is lowered (before the server has to retract)."""
+    max_queued: int = Field(default=0, ge=0)
+    """Requests waiting in a server's queue that are tolerated; more lower its limit."""
+    increase: int = Field(default=8, ge=1)
+    """Additive increase per poll while the server has room and the limit is reached."""
+    decrease: float = Field(default=0.75, gt=0, lt=1)
+    """Multiplicative decrease when the server queues, retracts or passes kv_hard."""
+    busy_frac: float = Field(default=0.9, gt=0, le=1)
+    """The limit counts as reached (and may grow) when the requests in flight are at least this fraction of it."""
+    poll_s: float = Field(default=0.5, gt=0)
+    """Period of the load polls (each with manager.health_timeout_s as its timeout)."""
+
+    @model_validator(mode="after")
+    def _marks(self) -> "ConcurrencyConfig":
+        if self.kv_soft > self.kv_hard:
+            raise ValueError(f"manager.concurrency.kv_soft ({self.kv_soft}) must be <= kv_hard ({self.kv_hard})")
+        if self.min_limit > self.max_limit:
+            raise ValueError(f"manager.concurrency.min_limit ({self.min_limit}) must be <= max_limit "
+                             f"({self.max_limit})")
+        return self
+
+
 class ManagerConfig(Section):
     max_inflight_per_server: int | None = Field(default=None, ge=1)
     """Cap on concurrent /generate requests per server; further requests wait or spill over. null (the
@@ -166,6 +206,8 @@ class ManagerConfig(Section):
     flush until its scheduler is fully idle, which it is not for a moment after its last request ends; a
     refusal never counts as the server's failure. Past this: a bench goes on with the cache kept (said), a
     weight update ejects the server until resynced (its cache holds the old weights' KV)."""
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
+    """Requests in flight per server that follow what the server reports (manager.concurrency.adaptive)."""
 
 
 class SamplingConfig(Section):

@@ -15,7 +15,8 @@ Its public face; the work is done by parts that each hold one role (agentloop.cl
                                      followers (agentloop.client.followers): managers in other processes (Ray
                                      rollout workers) generating on the same servers while this one makes the
                                      admin calls
-    size_from_servers                capacity (agentloop.client.capacity): each server's cap on concurrent requests
+    size_from_servers                capacity (agentloop.client.capacity): each server's cap on concurrent requests,
+                                     fixed, reported, or following its load (manager.concurrency.adaptive)
     gauges                           `server/...` numbers for progress lines and metrics
     on_close, start, close           the lifecycle: what lives as long as the manager (the agent gateway) closes
                                      first; servers paused when the manager closes are sent a continue (a run that
@@ -75,6 +76,7 @@ class ServerManager:
         self.control = ControlPlane(self.state, followers=self.followers, readmit=self.health.readmit)
         self.data = DataPlane(self.state, on_full=self.capacity.on_full)
         self._health_task: asyncio.Task | None = None
+        self._follow_task: asyncio.Task | None = None
         self._closers: list[Callable[[], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ what the parts share
@@ -124,8 +126,9 @@ class ServerManager:
         self.state.resync = hook
 
     def gauges(self) -> dict[str, float]:
-        """`server/...` numbers: health, in-flight calls, latency, cache hits, counters, connections, per server."""
-        return self.state.gauges()
+        """`server/...` numbers: health, in-flight calls, latency, cache hits, counters, connections, per server;
+        the concurrency limits and the load signal they follow (`server/conc_...`, agentloop.client.concurrency)."""
+        return {**self.state.gauges(), **self.capacity.gauges()}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,6 +156,8 @@ class ServerManager:
             # timed out meanwhile), so failed probes count only once it has had that long to answer.
             s.answered_at = [time.monotonic()] * len(s.urls)
             self._health_task = asyncio.create_task(self.health.run(), name="server-health")
+        if self._follow_task is None and self.capacity.control is not None:
+            self._follow_task = asyncio.create_task(self.capacity.follow(), name="server-concurrency")
 
     def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Await `fn()` first thing when the manager closes: what lives as long as it and serves through it
@@ -172,10 +177,11 @@ class ServerManager:
             # servers we did not launch (--server-url) would stay paused for whoever uses them next.
             await s.continue_quietly(sorted(s.paused))
             s.paused.clear()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
+        for task in (self._health_task, self._follow_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._health_task = self._follow_task = None
         if s.background:  # aborts of cancelled calls: give them their (short) timeout to land
             await asyncio.wait(set(s.background), timeout=s.cfg.health_timeout_s + 1.0)
             for t in s.background:

@@ -68,6 +68,9 @@ class FakeSGLang:
     tp_size: int = 1
     max_running_requests: int | None = None
     """Reported in /server_info as SGLang 0.5.23 does (top level and internal_states[0]); None: not reported."""
+    load_capacity: int | None = None
+    """Serve /v1/loads as SGLang 0.5.x does, for a server whose KV pool holds this many requests: that many run
+    (token_usage = running / load_capacity), the rest wait in its queue. None: no /v1/loads (404)."""
     refuse: set[str] = field(default_factory=set)
     paused: bool = False
     pause_mode: str | None = None
@@ -121,6 +124,8 @@ class FakeSGLang:
                      "/update_weights_from_distributed", "/destroy_weights_update_group"):
             app.router.add_post(path, self._admin)
         app.router.add_get("/server_info", self._server_info)
+        if self.load_capacity is not None:
+            app.router.add_get("/v1/loads", self._loads)
         if self.weight_sessions:
             app.router.add_post("/begin_weight_update", self._admin)
             app.router.add_post("/end_weight_update", self._admin)
@@ -301,6 +306,13 @@ class FakeSGLang:
             info["max_running_requests"] = self.max_running_requests
             info["internal_states"] = [{"effective_max_running_requests_per_dp": self.max_running_requests}]
         return web.json_response(info)
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        cap = self.load_capacity or 1
+        running = min(self.inflight, cap)
+        return web.json_response({"loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": self.inflight - running,
+            "token_usage": running / cap, "max_running_requests": 4 * cap, "queues": {"retracted": 0}}]})
 
     def _flush_refused(self) -> bool:
         """Whether a flush now would be refused (requests held by a pause; see `flush_model`)."""

@@ -383,6 +383,10 @@ class Trainer:
                     # empties them; in_place keeps them, isolated per version)
                     "server/prefix_cache_hit_rate": step_cached / step_prompt if step_prompt else 0.0,
                     "server/flushes_refused": g["server/flushes_refused"],
+                    # the concurrency limits and the load they follow (manager.concurrency; the sum of the fixed
+                    # caps when not adaptive)
+                    **{k: v for k, v in g.items() if k.startswith("server/conc_") or k.endswith(
+                        ("/conc_limit", "/kv_usage", "/waiting"))},
                     **self.loop_lag.gauges(reset=True)})
         if self.journal_rows is not None:
             row.update(self.journal_rows.row())
