@@ -96,6 +96,9 @@ class FakeSGLang:
     refuse_flushes: int = 0
     """The next N /flush_cache calls are refused (HTTP 400) whatever runs: SGLang's scheduler right after its last
     request ended ("Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 0")."""
+    released: bool = False
+    """Its memory released (/release_memory_occupation), as SGLang 0.5.x: a release while a request runs, or a
+    request while released, kills it (crashed), as SGLang's assertion or a fault on the released KV would."""
     crashed: bool = False
     """An update asked for a flush that 0.5.17's scheduler asserts on: the server is dead from then on."""
     """The next N /generate requests find their connection closed as they arrive (unanswered), as when
@@ -121,7 +124,8 @@ class FakeSGLang:
         app.router.add_get("/model_info", self._model_info)
         for path in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
                      "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-                     "/update_weights_from_distributed", "/destroy_weights_update_group"):
+                     "/update_weights_from_distributed", "/destroy_weights_update_group",
+                     "/release_memory_occupation", "/resume_memory_occupation"):
             app.router.add_post(path, self._admin)
         app.router.add_get("/server_info", self._server_info)
         if self.load_capacity is not None:
@@ -217,6 +221,8 @@ class FakeSGLang:
         self.events.append(request.path)
         await self._note()
         rid = body.get("rid", "")
+        if self.released:
+            self.crashed = True
         if self.mode == "error500" or self.crashed:
             return web.Response(status=500, text="internal error (injected)")
         if self.mode == "error400":
@@ -333,6 +339,13 @@ class FakeSGLang:
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
+        if path == "/release_memory_occupation":
+            if self._active > 0:
+                self.crashed = True  # SGLang asserts "should be called only when server is idle"
+                return web.Response(status=500, text="release_memory_occupation while requests run (injected)")
+            self.released = True
+        if path == "/resume_memory_occupation":
+            self.released = False
         if path == "/flush_cache" and self.refuse_flushes > 0:
             self.refuse_flushes -= 1
             return web.json_response({"success": False, "message": "Cache not flushed because there are pending "

@@ -1,0 +1,102 @@
+"""Lent servers: servers on the learner's GPUs that take episodes while the learner waits for a batch and give
+their memory back while it trains (server.lend_learner_gpus). The ServerManager part that puts them to sleep and
+wakes them; when to do either is agentloop.train.orchestrator.lending's schedule (plain synchronous).
+
+Map:
+    Lending.sleep   route new requests away (ServerState.asleep), abort what runs on them (each call continues at
+                    once on a server awake, under the same weights: the data plane counts the sleep as an interrupt
+                    of that server), wait until nothing is in flight there, wait until its scheduler is idle (a
+                    flush it accepts), then release its memory (/release_memory_occupation; SGLang asserts that
+                    the scheduler is idle, hence the flush first)
+    Lending.wake    resume its memory (/resume_memory_occupation), empty its prefix cache (KV made before the
+                    release is gone, and a weight push may have happened), take requests again
+
+Versions: a sleeping server with its weights resident (the default tags: the KV cache only) receives every weight
+push as the others do, so it wakes serving the expected version. With "weights" in the tags it would miss pushes:
+it is then marked stale when it wakes and re-admitted only after the resync hook brings it to the expected version.
+Every await crossing the process boundary is bounded: admin calls by manager.admin_timeout_s, the drain by the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from agentloop.client.state import ManagerState
+from agentloop.errors import RequestError, ServerError
+
+
+class Lending:
+    """The sleep/wake part of a ServerManager (module doc). `drain` and `flush_one` are the control plane's."""
+
+    def __init__(self, state: ManagerState, *, drain, flush_one):
+        self.s = state
+        self._drain = drain
+        self._flush_one = flush_one
+        self.sleeps = 0
+        self.wakes = 0
+        self.sleep_s = 0.0
+        """Seconds spent putting servers to sleep (drain + release), summed."""
+
+    async def sleep(self, idxs: Sequence[int], *, release: bool = True, tags: Sequence[str] = ("kv_cache",)) -> None:
+        """Put servers `idxs` to sleep (module doc). ServerError if one does not drain or refuses the release (it is
+        then ejected: its memory state is unknown, and health checks re-admit it once it answers)."""
+        s = self.s
+        t0 = time.monotonic()
+        idxs = [i for i in idxs if i not in s.asleep]
+        for i in idxs:
+            s.router.servers[i].asleep = True
+            s.asleep.add(i)
+            s.evictions[s.urls[i]] += 1
+        s.changed.set()
+        for i in idxs:
+            url = s.urls[i]
+            try:
+                if s.router.servers[i].inflight:
+                    await s.admin_post(url, "/abort_request", {"rid": "", "abort_all": True})
+                    await self._drain(lambda i=i: s.router.servers[i].inflight > 0, s.cfg.admin_timeout_s)
+                if release:
+                    # SGLang releases only an idle scheduler (it asserts): a flush it accepts proves that
+                    if not await self._flush_one(i, time.monotonic() + s.cfg.flush_timeout_s):
+                        raise ServerError(f"server {url} did not become idle within {s.cfg.flush_timeout_s:g}s")
+                    await s.admin_post(url, "/release_memory_occupation", {"tags": list(tags)})
+            except (RequestError, ServerError) as e:
+                s.router.eject(i)
+                s.stats["ejections"] += 1
+                s.say(f"server {url} could not be put to sleep ({e}); ejected")
+                raise ServerError(f"putting server {url} to sleep failed: {e}") from e
+        self.sleeps += len(idxs)
+        self.sleep_s += time.monotonic() - t0
+
+    async def wake(self, idxs: Sequence[int], *, release: bool = True,
+                   tags: Sequence[str] = ("kv_cache",)) -> None:
+        """Wake servers `idxs` (module doc): they take requests again once their memory is back."""
+        s = self.s
+        for i in [i for i in idxs if i in s.asleep]:
+            url = s.urls[i]
+            try:
+                if release:
+                    await s.admin_post(url, "/resume_memory_occupation", {"tags": list(tags)})
+                    if not await self._flush_one(i, time.monotonic() + s.cfg.flush_timeout_s):
+                        raise ServerError(f"server {url} refused to flush its cache after waking")
+            except (RequestError, ServerError) as e:
+                s.router.eject(i)
+                s.stats["ejections"] += 1
+                s.say(f"server {url} could not be woken ({e}); ejected")
+                s.router.servers[i].asleep = False
+                s.asleep.discard(i)
+                raise ServerError(f"waking server {url} failed: {e}") from e
+            if "weights" in tags and release:
+                s.router.servers[i].stale = True  # it missed the pushes made while asleep: resynced first
+                s.router.eject(i)
+            s.router.servers[i].asleep = False
+            s.asleep.discard(i)
+            self.wakes += 1
+        s.changed.set()
+
+    def gauges(self) -> dict[str, float]:
+        return {"server/asleep": float(len(self.s.asleep)), "server/sleeps": float(self.sleeps),
+                "server/wakes": float(self.wakes), "server/sleep_s": self.sleep_s}
+
+
+__all__ = ["Lending"]
