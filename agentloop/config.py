@@ -91,6 +91,20 @@ class ServerConfig(Section):
     """Deadline for a local server to answer /health after launch."""
     shutdown_timeout_s: float = Field(default=20.0, gt=0)
     """Grace period between SIGTERM and SIGKILL when stopping local servers."""
+    lend_learner_gpus: bool = False
+    """Idle learner GPUs serve rollouts (`agentloop train`): the servers on the learner's GPUs (`lent_servers`) take
+    episodes while the learner waits for a batch and sleep while it trains: new episodes are routed away, the calls
+    running there continue at once on a server awake (same weights, per-token versions exact), and their KV cache
+    is released (SGLang's /release_memory_occupation; such servers need --enable-memory-saver on CUDA), then
+    resumed once the step's weights reached them. The weight push reaches them with the others (weights stay
+    resident): with learner.weight_sync=tensor by CUDA IPC. See the README's async section for when it pays."""
+    lent_servers: list[int] | None = None
+    """With lend_learner_gpus: the indices (in server.urls, or of the local servers) of the servers that sleep
+    while the learner trains. None: the local servers whose GPU (server.gpus) is one of learner.gpus; with
+    server.urls it must be given (agentloop cannot tell where a server it did not launch runs)."""
+    lend_release: list[Literal["kv_cache", "cuda_graph"]] = Field(default_factory=lambda: ["kv_cache"])
+    """What a sleeping lent server releases (SGLang's memory tags); empty: nothing (it only stops taking episodes:
+    a KV pool sized to fit beside the learner). Its weights stay resident, so the weight push reaches it asleep."""
 
     @model_validator(mode="after")
     def _check_gpus(self) -> "ServerConfig":
@@ -536,6 +550,41 @@ def _cluster_problems(cfg: Config) -> list[str]:
     return out
 
 
+def lent_server_indices(cfg: Config) -> list[int]:
+    """The servers that sleep while the learner trains (server.lend_learner_gpus; [] when off): server.lent_servers,
+    else the local servers placed on one of learner.gpus."""
+    sv = cfg.server
+    if not sv.lend_learner_gpus:
+        return []
+    if sv.lent_servers is not None:
+        return sorted(set(sv.lent_servers))
+    if sv.urls:
+        return []
+    gpus = sv.gpus if sv.gpus is not None else list(range(sv.num_local))
+    learner = set(cfg.learner.gpus if cfg.learner.gpus is not None else range(max(1, cfg.learner.nproc)))
+    return [i for i, g in enumerate(gpus) if g in learner]
+
+
+def _lend_problems(cfg: Config) -> list[str]:
+    sv, out = cfg.server, []
+    if not sv.lend_learner_gpus:
+        return out
+    n = len(sv.urls) or sv.num_local
+    if sv.urls and sv.lent_servers is None:
+        out.append("server.lend_learner_gpus with server.urls needs server.lent_servers: the indices of the servers "
+                   "that run on the learner's GPUs (agentloop cannot tell where servers it did not launch run)")
+    elif any(i < 0 or i >= n for i in sv.lent_servers or []):
+        out.append(f"server.lent_servers={sv.lent_servers} names servers outside the {n} server(s)")
+    elif not lent_server_indices(cfg):
+        out.append(f"server.lend_learner_gpus: no server runs on a learner GPU (server.gpus={sv.gpus}, learner.gpus="
+                   f"{cfg.learner.gpus}): place one there (e.g. server.num_local=2 server.gpus=[0,1] "
+                   "learner.gpus=[1]) or name them in server.lent_servers")
+    if cfg.cluster.backend == "ray":
+        out.append("server.lend_learner_gpus is not supported with cluster.backend=ray yet (the driver's "
+                   "ServerManager makes the calls, the rollout workers' managers would not route away)")
+    return out
+
+
 def validate_for_training(cfg: Config) -> Config:
     """Check the rules that hold only when the rollouts train a policy, and make `sampling.temperature`
     the learner's temperature (`algo.temperature`). Raises ConfigError naming every broken rule.
@@ -562,6 +611,7 @@ def validate_for_training(cfg: Config) -> Config:
                         "the built-in tiny model while the servers serve whatever they were started with; pass "
                         "--model DIR, the Hugging Face directory the servers were started with")
     problems += _cluster_problems(cfg)
+    problems += _lend_problems(cfg)
     if cfg.rollout.n_samples == 1 and cfg.algo.estimator in ("grpo", "rloo"):
         problems.append(f"rollout.n_samples=1 with algo.estimator={cfg.algo.estimator}: every group is one episode, "
                         "whose advantage is 0 here (no baseline; verl's grpo/rloo would use the raw score), so "

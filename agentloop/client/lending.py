@@ -11,9 +11,8 @@ Map:
     Lending.wake    resume its memory (/resume_memory_occupation), empty its prefix cache (KV made before the
                     release is gone, and a weight push may have happened), take requests again
 
-Versions: a sleeping server with its weights resident (the default tags: the KV cache only) receives every weight
-push as the others do, so it wakes serving the expected version. With "weights" in the tags it would miss pushes:
-it is then marked stale when it wakes and re-admitted only after the resync hook brings it to the expected version.
+Versions: a sleeping server keeps its weights resident (server.lend_release holds the KV cache and the CUDA graphs
+only), so it receives every weight push as the others do and wakes serving the expected version.
 Every await crossing the process boundary is bounded: admin calls by manager.admin_timeout_s, the drain by the same.
 """
 
@@ -86,9 +85,6 @@ class Lending:
                 s.router.servers[i].asleep = False
                 s.asleep.discard(i)
                 raise ServerError(f"waking server {url} failed: {e}") from e
-            if "weights" in tags and release:
-                s.router.servers[i].stale = True  # it missed the pushes made while asleep: resynced first
-                s.router.eject(i)
             s.router.servers[i].asleep = False
             s.asleep.discard(i)
             self.wakes += 1
