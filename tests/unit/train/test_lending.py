@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentloop.config import ConfigError, load_config, lent_server_indices, validate_for_training
+from agentloop.config import ConfigError, lent_server_indices, load_config, validate_for_training
 from agentloop.train.orchestrator.lending import LendSchedule
 
 
