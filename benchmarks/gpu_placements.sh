@@ -1,0 +1,44 @@
+#!/bin/bash
+# Issue 29: every placement on 2 GPUs, one command, bounded time (benchmarks/async_bench.py with two servers launched
+# once: server 0 on GPU 0, server 1 on GPU 1 with --enable-memory-saver; both see every GPU, --base-gpu-id picks).
+# Usage, from the repo root on a 2-GPU machine (`.gpu-stage` or `.sglang-gpu` carried, as for gpu_async.sh):
+#   bash benchmarks/gpu_placements.sh
+# Rows (the long-tail tool workload, 0.5B shape, PLACE_STEPS steps of PLACE_PROMPTS x PLACE_SAMPLES), in this
+# order; a run that would start past PLACE_BUDGET_S is reported as skipped, not run:
+#   separate@0      server 0 only, learner GPU 1, nccl: sync, async η=2 (in_place), async η=2 + conc (item 2),
+#                   async η=1 (in_place)
+#   lend@0.1@1      servers 0 and 1, learner GPU 1, tensor (CUDA IPC): async η=2 + conc + lend (items 1+2),
+#                   async η=2 + lend (item 1)
+#   colocated@0.1   servers 0 and 1, learner GPUs 0 and 1 (2 ranks), tensor: sync (both GPUs generate, then both
+#                   train)
+# Cut to fit 9 minutes: async η=1 with the items (η=1 + conc, η=1 + lend) are not run; each run is killed past
+# budget + PLACE_GRACE_S and the whole command past PLACE_WALL_S (fails loudly: exit 124).
+# Env: OUT (default ./bench_out), PLACE_STEPS (8), PLACE_PROMPTS (32), PLACE_SAMPLES (8), PLACE_BUDGET_S (390),
+#      PLACE_GRACE_S (90), PLACE_WALL_S (530), PLACE_SMOKE=1: the CPU smoke (tiny model, 2 CPU servers, disk sync,
+#      2 steps of 2 x 2; the same parts and runs but for the CUDA-only ones), for checking the logic off the GPU.
+set -u
+if [ "${PLACE_SMOKE:-0}" = 1 ]; then
+  OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  exec timeout -k 20 "${PLACE_WALL_S:-1500}" python3 benchmarks/async_bench.py --device cpu --cpu-servers 2 \
+    --name placements_smoke --steps "${PLACE_STEPS:-2}" --prompts "${PLACE_PROMPTS:-2}" --samples "${PLACE_SAMPLES:-2}" \
+    --budget-s "${PLACE_BUDGET_S:-1200}" --run-grace-s "${PLACE_GRACE_S:-240}" --out "$OUT" \
+    --set learner.micro_batch_tokens=2048 \
+    --part "separate@0:longtail:16::disk:sync+async:1:abort:conc" \
+    --part "lend@0.1@1:longtail:16::disk:async:1:abort:conc.lend" \
+    --part "colocated@0.1:longtail:16::disk:sync"
+fi
+source benchmarks/gpu_env.sh placements.log
+MODEL=$(python3 -c "from agentloop.models.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))" | tail -1)
+echo "model $MODEL"
+timeout -k 20 "${PLACE_WALL_S:-530}" python3 benchmarks/async_bench.py --model "$MODEL" --name placements \
+  --steps "${PLACE_STEPS:-8}" --prompts "${PLACE_PROMPTS:-32}" --samples "${PLACE_SAMPLES:-8}" \
+  --budget-s "${PLACE_BUDGET_S:-390}" --run-grace-s "${PLACE_GRACE_S:-90}" --out "$OUT" \
+  --server-gpu 0,1 --mem-fraction 0.45,0.35 --memory-saver 1 --all-gpus-visible \
+  --set learner.micro_batch_tokens=8192 \
+  --part "separate@0:longtail:128:1:nccl:sync+async:2:in_place+async:2:in_place:conc+async:1:in_place" \
+  --part "lend@0.1@1:longtail:128:1:tensor:async:2:in_place:conc.lend+async:2:in_place:lend" \
+  --part "colocated@0.1:longtail:128:0,1:tensor:sync"
+rc=$?
+echo "exit $rc"
+exit $rc
