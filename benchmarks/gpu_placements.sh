@@ -31,10 +31,15 @@ fi
 source benchmarks/gpu_env.sh placements.log
 MODEL=$(python3 -c "from agentloop.models.modelzoo import ensure_shape_model; print(ensure_shape_model('qwen2.5-0.5b-shape'))" | tail -1)
 echo "model $MODEL"
+# The lent server releases its KV cache with SGLang's memory saver, which needs torch_memory_saver (not in the
+# offline bundle): without it, server 1 starts without --enable-memory-saver and its release is SGLang's no-op
+# (it still stops taking episodes while the learner trains: a KV pool sized to fit beside the learner, 0.35).
+SAVER=1
+python3 -c "import torch_memory_saver" 2>/dev/null || { SAVER=""; echo "torch_memory_saver missing: server 1 keeps its KV cache while asleep"; }
 timeout -k 20 "${PLACE_WALL_S:-530}" python3 benchmarks/async_bench.py --model "$MODEL" --name placements \
   --steps "${PLACE_STEPS:-8}" --prompts "${PLACE_PROMPTS:-32}" --samples "${PLACE_SAMPLES:-8}" \
   --budget-s "${PLACE_BUDGET_S:-390}" --run-grace-s "${PLACE_GRACE_S:-90}" --out "$OUT" \
-  --server-gpu 0,1 --mem-fraction 0.45,0.35 --memory-saver 1 --all-gpus-visible \
+  --server-gpu 0,1 --mem-fraction 0.45,0.35 --memory-saver "$SAVER" --all-gpus-visible \
   --set learner.micro_batch_tokens=8192 \
   --part "separate@0:longtail:128:1:nccl:sync+async:2:in_place+async:2:in_place:conc+async:1:in_place" \
   --part "lend@0.1@1:longtail:128:1:tensor:async:2:in_place:conc.lend+async:2:in_place:lend" \

@@ -26,6 +26,10 @@ from agentloop.client.state import ManagerState
 RESIZE_AFTER_S = 30.0
 """A server that did not report its capacity is asked again no sooner than this."""
 
+SILENT_POLLS = 3
+"""manager.concurrency.adaptive: a server whose /v1/loads answers nothing usable this many polls in a row (an older
+SGLang, another engine) gets the cap it reports (/server_info), or keeps its limit, and is no longer polled."""
+
 
 def reported_capacity(info: Any) -> int | None:
     """Concurrent requests a server says it runs at once, from its /server_info (SGLang 0.5.23; /get_server_info
@@ -59,6 +63,8 @@ class Capacity:
                                               hard_cap=state.cfg.max_inflight_per_server)
             for i in range(len(state.urls)):
                 state.router.set_capacity(i, self.control.limit(i))
+        self.silent: dict[int, int] = {}
+        """Polls in a row a server's /v1/loads said nothing usable; at SILENT_POLLS it falls back (poll_once)."""
 
     def on_full(self) -> None:
         """Every admitted server is at its cap: ask them for their capacity in the background (one ask at a time;
@@ -109,7 +115,7 @@ class Capacity:
         s, ctl = self.s, self.control
         if ctl is None or s.paused or not s.unpaused.is_set():
             return
-        idxs = [i for i, st in enumerate(s.router.servers) if st.healthy]
+        idxs = [i for i, st in enumerate(s.router.servers) if st.healthy and self.silent.get(i, 0) < SILENT_POLLS]
         bodies = await asyncio.gather(*(s.get_ok(s.urls[i], "/v1/loads?include=core,queues",
                                                  s.cfg.health_timeout_s) for i in idxs))
         if s.paused or not s.unpaused.is_set():
@@ -118,7 +124,11 @@ class Capacity:
         for i, body in zip(idxs, bodies):
             sig = parse_loads(body)
             if sig is None:
+                self.silent[i] = self.silent.get(i, 0) + 1
+                if self.silent[i] == SILENT_POLLS:
+                    s.spawn(self._fall_back(i), name=f"fall-back-{i}")
                 continue
+            self.silent[i] = 0
             old = s.router.capacity(i)
             new = ctl.observe(i, sig, s.router.servers[i].inflight)
             if new != old:
@@ -128,6 +138,21 @@ class Capacity:
                 changed = True
         if changed:
             s.changed.set()
+
+    async def _fall_back(self, i: int) -> None:
+        """Server i does not report its load: the cap it reports, else the limit it has (SILENT_POLLS)."""
+        s = self.s
+        cap = await self._server_capacity(i)
+        if cap is not None:
+            cap = min(cap, s.cfg.max_inflight_per_server or cap, s.cfg.concurrency.max_limit)
+            s.router.set_capacity(i, cap)
+            if self.control is not None:
+                self.control.limits[i] = cap
+            if s.http is not None and s.urls[i].startswith("http://"):
+                s.http.set_limit(s.urls[i], cap)
+            s.changed.set()
+        s.say(f"server {s.urls[i]} does not report its load (/v1/loads): its cap stays at {s.router.capacity(i)}"
+              + (" (its max_running_requests)" if cap is not None else ""))
 
     def gauges(self) -> dict[str, float]:
         """The control's `server/conc_...` numbers; without it, the fixed caps as `server/conc_limit`."""

@@ -134,3 +134,25 @@ def test_manager_limits_follow_the_fake_servers_load():
     assert peak <= 40  # never past what the server runs: nothing waited in its queue
     assert done == 200
     assert g["server/conc_limit"] == float(limits[-1]) and g["server/0/kv_usage"] > 0
+
+
+def test_a_server_without_v1_loads_falls_back_to_its_reported_capacity():
+    """An SGLang without /v1/loads (the fake without load_capacity: 404) must not stay at the initial limit."""
+    import asyncio
+
+    from agentloop.client.capacity import SILENT_POLLS
+    from agentloop.server_manager import ServerManager
+    from tests.fakes.fake_sglang import FakeSGLang
+
+    async def main():
+        fake = await FakeSGLang(max_running_requests=300).start()
+        try:
+            async with ServerManager([fake.url], ManagerConfig(concurrency=_cfg(initial=8, poll_s=3600))) as sm:
+                for _ in range(SILENT_POLLS + 2):
+                    await sm.capacity.poll_once()
+                await asyncio.wait_for(asyncio.gather(*sm.state.background), 10)
+                return sm.router.capacity(0)
+        finally:
+            await fake.stop()
+
+    assert asyncio.run(main()) == 64  # min(300 reported, max_limit 64 of _cfg)
