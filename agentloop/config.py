@@ -154,6 +154,9 @@ class ConcurrencyConfig(Section):
     """Additive increase per poll while the server has room and the limit is reached."""
     decrease: float = Field(default=0.75, gt=0, lt=1)
     """Multiplicative decrease when the server queues, retracts or passes kv_hard."""
+    kv_settle: float = Field(default=0.05, ge=0, le=1)
+    """The limit grows only while a server's KV usage rose by less than this since the previous poll: KV usage lags
+    (an admitted request's KV grows over its whole generation), so raising faster than it settles overshoots."""
     busy_frac: float = Field(default=0.9, gt=0, le=1)
     """The limit counts as reached (and may grow) when the requests in flight are at least this fraction of it."""
     poll_s: float = Field(default=0.5, gt=0)

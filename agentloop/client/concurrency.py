@@ -12,9 +12,11 @@ The rule, per server and poll (manager.concurrency):
                 or above `kv_hard`: the limit is multiplied by `decrease` (not below `min_limit`), at most once
                 until the requests in flight have drained to the lowered limit (the queue the server reports
                 still reflects the old limit until then; halving again on the same evidence would collapse it)
-    room        KV usage below `kv_soft`, nothing waiting, and the limit is what holds requests back (in flight
-                >= `busy_frac` of it): the limit grows by `increase` (not above `max_limit`, nor above the
-                requests the server runs at once: beyond those a request only waits in its queue)
+    room        KV usage below `kv_soft` and settled (risen by less than `kv_settle` since the previous poll: it lags,
+                an admitted request's KV grows over its whole generation), nothing waiting, and the limit is what
+                holds requests back (in flight >= `busy_frac` of it): the limit grows by `increase` (not above
+                `max_limit`, nor above the requests the server runs at once: beyond those a request only waits in
+                its queue)
     otherwise   (KV between the soft and the hard mark, or the limit not reached) the limit holds
 Why before the queue: a request waiting in the server's queue holds an episode without progress, and a retracted
 one re-prefills its whole context later; a limit just below either keeps every admitted request running.
@@ -98,7 +100,9 @@ class ConcurrencyControl:
     def observe(self, idx: int, sig: LoadSignal, inflight: int) -> int:
         """Server `idx` reported `sig` while the client had `inflight` requests on it: its new limit."""
         c = self.cfg
+        prev = self.signals[idx]
         self.signals[idx] = sig
+        settled = prev is None or sig.kv_usage - prev.kv_usage < c.kv_settle
         cur = self.limits[idx]
         top = self.max_limit if sig.max_running is None else min(self.max_limit, sig.max_running)
         drain = self._drain_to[idx]
@@ -112,7 +116,8 @@ class ConcurrencyControl:
                     self.decreases += 1
                     self._drain_to[idx] = new
                 cur = new
-        elif sig.kv_usage < c.kv_soft and sig.waiting == 0 and inflight >= c.busy_frac * cur and cur < top:
+        elif (sig.kv_usage < c.kv_soft and settled and sig.waiting == 0 and inflight >= c.busy_frac * cur
+              and cur < top):
             cur = min(top, cur + c.increase)
             self.increases += 1
         cur = max(c.min_limit, min(cur, self.max_limit))

@@ -108,7 +108,8 @@ def test_manager_limits_follow_the_fake_servers_load():
     async def main():
         fake = await FakeSGLang(load_capacity=40).start()
         fake.hold()
-        cfg = ManagerConfig(concurrency=_cfg(initial=8, increase=8, kv_soft=0.85, kv_hard=0.95, poll_s=3600))
+        cfg = ManagerConfig(concurrency=_cfg(initial=8, increase=8, kv_soft=0.85, kv_hard=0.95, kv_settle=1.0,
+                                               poll_s=3600))
         try:
             async with ServerManager([fake.url], cfg) as sm:
                 sp = SamplingParams(max_new_tokens=2, temperature=1.0, seed=1)
@@ -156,3 +157,10 @@ def test_a_server_without_v1_loads_falls_back_to_its_reported_capacity():
             await fake.stop()
 
     assert asyncio.run(main()) == 64  # min(300 reported, max_limit 64 of _cfg)
+
+
+def test_no_growth_while_kv_usage_is_still_rising():
+    c = ConcurrencyControl(1, _cfg(kv_settle=0.05))
+    assert c.observe(0, sig(kv=0.10), inflight=16) == 20
+    assert c.observe(0, sig(kv=0.30), inflight=20) == 20  # +0.20 since the last poll: the KV admitted still grows
+    assert c.observe(0, sig(kv=0.32), inflight=20) == 24  # settled
