@@ -15,7 +15,8 @@
 # budget + PLACE_GRACE_S and the whole command past PLACE_WALL_S (fails loudly: exit 124).
 # Env: OUT (default ./bench_out), PLACE_STEPS (8), PLACE_PROMPTS (32), PLACE_SAMPLES (8), PLACE_BUDGET_S (390),
 #      PLACE_GRACE_S (90), PLACE_WALL_S (530), PLACE_SMOKE=1: the CPU smoke (tiny model, 2 CPU servers, disk sync,
-#      2 steps of 2 x 2; the same parts and runs but for the CUDA-only ones), for checking the logic off the GPU.
+#      2 steps of 2 x 2; the same parts and runs but for the CUDA-only ones; health probes tolerant of a loaded
+#      2-core box), for checking the logic off the GPU.
 set -u
 if [ "${PLACE_SMOKE:-0}" = 1 ]; then
   OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
@@ -23,7 +24,7 @@ if [ "${PLACE_SMOKE:-0}" = 1 ]; then
   exec timeout -k 20 "${PLACE_WALL_S:-1500}" python3 benchmarks/async_bench.py --device cpu --cpu-servers 2 \
     --name placements_smoke --steps "${PLACE_STEPS:-2}" --prompts "${PLACE_PROMPTS:-2}" --samples "${PLACE_SAMPLES:-2}" \
     --budget-s "${PLACE_BUDGET_S:-1200}" --run-grace-s "${PLACE_GRACE_S:-240}" --out "$OUT" \
-    --set learner.micro_batch_tokens=2048 \
+    --set learner.micro_batch_tokens=2048 --set manager.health_timeout_s=60 --set manager.answered_grace_s=900 \
     --part "separate@0:longtail:16::disk:sync+async:1:abort:conc" \
     --part "lend@0.1@1:longtail:16::disk:async:1:abort:conc.lend" \
     --part "colocated@0.1:longtail:16::disk:sync"
