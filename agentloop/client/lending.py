@@ -7,7 +7,9 @@ Map:
                     once on a server awake, under the same weights: the data plane counts the sleep as an interrupt
                     of that server), wait until nothing is in flight there, wait until its scheduler is idle (a
                     flush it accepts), then release its memory (/release_memory_occupation; SGLang asserts that
-                    the scheduler is idle, hence the flush first)
+                    the scheduler is idle, hence the flush first). Only a server whose /server_info says it runs
+                    with the memory saver on a GPU is released: SGLang's CPU engine dies on the call (measured,
+                    0.5.23: it calls torch.cuda.synchronize), and without the saver it frees nothing
     Lending.wake    resume its memory (/resume_memory_occupation), empty its prefix cache (KV made before the
                     release is gone, and a weight push may have happened), take requests again
 
@@ -36,6 +38,22 @@ class Lending:
         self.wakes = 0
         self.sleep_s = 0.0
         """Seconds spent putting servers to sleep (drain + release), summed."""
+        self.can_release: dict[int, bool] = {}
+        """Per server, from its /server_info once: started with SGLang's memory saver on a GPU (else a release is a
+        no-op at best, and SGLang's CPU engine dies on it: it synchronizes CUDA)."""
+        self.released: set[int] = set()
+
+    async def _releasable(self, i: int) -> bool:
+        s = self.s
+        if i not in self.can_release:
+            info = await s.get_ok(s.urls[i], "/server_info", s.cfg.health_timeout_s)
+            ok = isinstance(info, dict) and info.get("enable_memory_saver") is True \
+                and str(info.get("device", "cuda")).split(":")[0] not in ("cpu", "")
+            self.can_release[i] = ok
+            if not ok:
+                s.say(f"server {s.urls[i]} keeps its memory while asleep (it runs without SGLang's memory saver on a "
+                      "GPU: --enable-memory-saver, a CUDA device); it only stops taking episodes")
+        return self.can_release[i]
 
     async def sleep(self, idxs: Sequence[int], *, release: bool = True, tags: Sequence[str] = ("kv_cache",)) -> None:
         """Put servers `idxs` to sleep (module doc). ServerError if one does not drain or refuses the release (it is
@@ -54,11 +72,12 @@ class Lending:
                 if s.router.servers[i].inflight:
                     await s.admin_post(url, "/abort_request", {"rid": "", "abort_all": True})
                     await self._drain(lambda i=i: s.router.servers[i].inflight > 0, s.cfg.admin_timeout_s)
-                if release:
+                if release and await self._releasable(i):
                     # SGLang releases only an idle scheduler (it asserts): a flush it accepts proves that
                     if not await self._flush_one(i, time.monotonic() + s.cfg.flush_timeout_s):
                         raise ServerError(f"server {url} did not become idle within {s.cfg.flush_timeout_s:g}s")
                     await s.admin_post(url, "/release_memory_occupation", {"tags": list(tags)})
+                    self.released.add(i)
             except (RequestError, ServerError) as e:
                 s.router.eject(i)
                 s.stats["ejections"] += 1
@@ -74,8 +93,9 @@ class Lending:
         for i in [i for i in idxs if i in s.asleep]:
             url = s.urls[i]
             try:
-                if release:
+                if i in self.released:
                     await s.admin_post(url, "/resume_memory_occupation", {"tags": list(tags)})
+                    self.released.discard(i)
                     if not await self._flush_one(i, time.monotonic() + s.cfg.flush_timeout_s):
                         raise ServerError(f"server {url} refused to flush its cache after waking")
             except (RequestError, ServerError) as e:

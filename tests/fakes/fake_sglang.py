@@ -68,6 +68,8 @@ class FakeSGLang:
     tp_size: int = 1
     max_running_requests: int | None = None
     """Reported in /server_info as SGLang 0.5.23 does (top level and internal_states[0]); None: not reported."""
+    memory_saver: bool = True
+    """Reported in /server_info (`enable_memory_saver`): lent servers release their memory only then."""
     load_capacity: int | None = None
     """Serve /v1/loads as SGLang 0.5.x does, for a server whose KV pool holds this many requests: that many run
     (token_usage = running / load_capacity), the rest wait in its queue. None: no /v1/loads (404)."""
@@ -307,7 +309,8 @@ class FakeSGLang:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         self.admin.append((request.path, None))
-        info: dict[str, Any] = {"tp_size": self.tp_size, "version": "fake"}
+        info: dict[str, Any] = {"tp_size": self.tp_size, "version": "fake", "device": "cuda",
+                                "enable_memory_saver": self.memory_saver}
         if self.max_running_requests is not None:
             info["max_running_requests"] = self.max_running_requests
             info["internal_states"] = [{"effective_max_running_requests_per_dp": self.max_running_requests}]

@@ -1,7 +1,8 @@
-"""A lent server put to sleep mid-episode on the real CPU SGLang server: its calls are aborted, its scheduler found
-idle and its memory released (/release_memory_occupation: a no-op on the CPU engine, which has no memory saver,
-but the call and SGLang's idle assertion are real), then woken (/resume_memory_occupation, a flush); with the only
-server asleep the calls wait for it and continue there, so nothing is lost and every episode gets its whole budget."""
+"""A lent server put to sleep mid-episode on the real CPU SGLang server: its calls are aborted and it takes nothing
+while asleep, then it is woken; with the only server asleep the calls wait for it and continue there, so nothing is
+lost and every episode gets its whole budget. Its memory is not released: SGLang 0.5.23's CPU engine dies on
+/release_memory_occupation (it calls torch.cuda.synchronize; seen in the placements smoke), so the manager releases
+only servers whose /server_info says they run with the memory saver on a GPU, and this server says neither."""
 
 from __future__ import annotations
 
@@ -36,4 +37,4 @@ def test_real_server_sleeps_mid_episode_and_wakes(sglang_server):
     asleep, outs, g = asyncio.run(main())
     assert asleep  # nothing ran on it while asleep
     assert len(outs) == 8 and all(len(o.token_ids) == 48 and o.finish_reason == "length" for o in outs)
-    assert g["server/sleeps"] == 1 and g["server/wakes"] == 1 and g["server/healthy"] == 1
+    assert g["server/sleeps"] == 1 and g["server/wakes"] == 1 and g["server/healthy"] == 1  # alive: not released

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from agentloop.config import ManagerConfig, SamplingParams
 from agentloop.server_manager import ServerManager
 from tests.fakes.fake_sglang import FakeSGLang
@@ -14,10 +16,13 @@ from tests.fakes.fake_sglang import FakeSGLang
 N, TOKENS = 24, 40
 
 
-def test_sleeping_server_mid_episode_loses_nothing():
+@pytest.mark.parametrize("saver", [True, False])
+def test_sleeping_server_mid_episode_loses_nothing(saver):
+    """saver: the lent server runs with SGLang's memory saver (its memory is released and resumed); without it
+    (or on the CPU engine, which dies on a release) it only stops taking episodes."""
     async def main():
         a = await FakeSGLang(token_delay_s=0.01, weight_version="3").start()
-        b = await FakeSGLang(token_delay_s=0.01, weight_version="3").start()
+        b = await FakeSGLang(token_delay_s=0.01, weight_version="3", memory_saver=saver).start()
         try:
             async with ServerManager([a.url, b.url], ManagerConfig(), initial_version=3) as sm:
                 sp = SamplingParams(max_new_tokens=TOKENS, temperature=1.0, seed=1)
@@ -51,6 +56,9 @@ def test_sleeping_server_mid_episode_loses_nothing():
     assert asleep_gauge == 1.0
     assert not b.crashed  # released only once idle
     paths = [p for p, _ in b.admin]
-    assert paths.index("/release_memory_occupation") > paths.index("/abort_request")
-    assert paths[-2:] == ["/resume_memory_occupation", "/flush_cache"]
+    if saver:
+        assert paths.index("/release_memory_occupation") > paths.index("/abort_request")
+        assert paths[-2:] == ["/resume_memory_occupation", "/flush_cache"]
+    else:
+        assert "/release_memory_occupation" not in paths and "/resume_memory_occupation" not in paths
     assert len(more) == 8 and len(b.requests) > after_sleep  # awake again, it takes requests
