@@ -17,7 +17,7 @@
 #                lend@0.1@1     async η=1 + conc + lend
 # conc: manager.concurrency.adaptive (item 2); lend: server.lend_learner_gpus with server 1 lent (item 1). Each run
 # is killed past budget + PLACE_GRACE_S and the whole command past PLACE_WALL_S (fails loudly: exit 124).
-# Env: OUT (default ./bench_out), PLACE_SET (a), PLACE_STEPS (8), PLACE_PROMPTS (32), PLACE_SAMPLES (8),
+# Env: OUT (default ./bench_out), PLACE_SET (a), PLACE_ALL_VISIBLE (1), PLACE_STEPS (8), PLACE_PROMPTS (32), PLACE_SAMPLES (8),
 #      PLACE_BUDGET_S (390), PLACE_GRACE_S (100), PLACE_WALL_S (520), PLACE_SMOKE=1: the CPU smoke (tiny model, 2
 #      CPU servers, disk sync, 2 steps of 2 x 2; parts like set a and b's colocated sync; health probes tolerant of
 #      a loaded 2-core box), for checking the logic off the GPU.
@@ -41,6 +41,11 @@ echo "model $MODEL"
 # (it still stops taking episodes while the learner trains: a KV pool sized to fit beside the learner, 0.35).
 SAVER=1
 python3 -c "import torch_memory_saver" 2>/dev/null || { SAVER=""; echo "torch_memory_saver missing: server 1 keeps its KV cache while asleep"; }
+# Servers see every GPU (--base-gpu-id picks theirs): server 0 must open CUDA IPC handles of the learner on GPU 1 in
+# the lend rows. PLACE_ALL_VISIBLE=0: each server sees only its GPU (as gpu_async.sh; the nccl rows as measured
+# before), which the lend rows' tensor sync to server 0 cannot work with.
+VISIBLE=--all-gpus-visible
+[ "${PLACE_ALL_VISIBLE:-1}" = 0 ] && VISIBLE=""
 case "${PLACE_SET:-a}" in
   a) PARTS=(--part "separate@0:longtail:128:1:nccl:sync+async:2:in_place"
             --part "lend@0.1@1:longtail:128:1:tensor:async:2:in_place:conc.lend") ;;
@@ -54,7 +59,7 @@ esac
 timeout -k 20 "${PLACE_WALL_S:-520}" python3 benchmarks/async_bench.py --model "$MODEL" --name "placements_${PLACE_SET:-a}" \
   --steps "${PLACE_STEPS:-8}" --prompts "${PLACE_PROMPTS:-32}" --samples "${PLACE_SAMPLES:-8}" \
   --budget-s "${PLACE_BUDGET_S:-390}" --run-grace-s "${PLACE_GRACE_S:-100}" --out "$OUT" \
-  --server-gpu 0,1 --mem-fraction 0.45,0.35 --memory-saver "$SAVER" --all-gpus-visible \
+  --server-gpu 0,1 --mem-fraction 0.45,0.35 --memory-saver "$SAVER" $VISIBLE \
   --set learner.micro_batch_tokens=8192 "${PARTS[@]}"
 rc=$?
 echo "exit $rc"
