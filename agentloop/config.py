@@ -98,6 +98,20 @@ class ServerConfig(Section):
     """Deadline for a local server to answer /health after launch."""
     shutdown_timeout_s: float = Field(default=20.0, gt=0)
     """Grace period between SIGTERM and SIGKILL when stopping local servers."""
+    lend_learner_gpus: bool = False
+    """Idle learner GPUs serve rollouts (`agentloop train`): the servers on the learner's GPUs (`lent_servers`) take
+    episodes while the learner waits for a batch and sleep while it trains: new episodes are routed away, the calls
+    running there continue at once on a server awake (same weights, per-token versions exact), and their KV cache
+    is released (SGLang's /release_memory_occupation; such servers need --enable-memory-saver on CUDA), then
+    resumed once the step's weights reached them. The weight push reaches them with the others (weights stay
+    resident): with learner.weight_sync=tensor by CUDA IPC. See the README's async section for when it pays."""
+    lent_servers: list[int] | None = None
+    """With lend_learner_gpus: the indices (in server.urls, or of the local servers) of the servers that sleep
+    while the learner trains. None: the local servers whose GPU (server.gpus) is one of learner.gpus; with
+    server.urls it must be given (agentloop cannot tell where a server it did not launch runs)."""
+    lend_release: list[Literal["kv_cache", "cuda_graph"]] = Field(default_factory=lambda: ["kv_cache"])
+    """What a sleeping lent server releases (SGLang's memory tags); empty: nothing (it only stops taking episodes:
+    a KV pool sized to fit beside the learner). Its weights stay resident, so the weight push reaches it asleep."""
 
     @model_validator(mode="after")
     def _check_gpus(self) -> "ServerConfig":
@@ -120,6 +134,49 @@ class ServerConfig(Section):
         if len(set(out)) != len(out):
             raise ValueError(f"server urls contain duplicates: {out}")
         return out
+
+
+class ConcurrencyConfig(Section):
+    """Requests in flight per server, sized from what each server reports (agentloop.client.concurrency): raised
+    while it has room, lowered before it queues or preempts (AIMD)."""
+
+    adaptive: bool = False
+    """Follow the servers: poll each one's load (SGLang's /v1/loads) and set its limit by the rule in
+    agentloop.client.concurrency. Off: the fixed cap of manager.max_inflight_per_server, or the server's reported
+    max_running_requests."""
+    initial: int = Field(default=64, ge=1)
+    """Each server's limit before its first report."""
+    min_limit: int = Field(default=4, ge=1)
+    """The limit never goes below this."""
+    max_limit: int = Field(default=1024, ge=1)
+    """Hard cap: the limit never goes above this (nor above manager.max_inflight_per_server when set, nor above
+    the requests the server says it runs at once)."""
+    kv_soft: float = Field(default=0.85, gt=0, le=1)
+    """Soft cap on KV usage: at or above this fraction of its KV pool a server's limit is no longer raised."""
+    kv_hard: float = Field(default=0.95, gt=0, le=1)
+    """Hard cap on KV usage: at or above this fraction the limit is lowered (before the server has to retract)."""
+    max_queued: int = Field(default=0, ge=0)
+    """Requests waiting in a server's queue that are tolerated; more lower its limit."""
+    increase: int = Field(default=8, ge=1)
+    """Additive increase per poll while the server has room and the limit is reached."""
+    decrease: float = Field(default=0.75, gt=0, lt=1)
+    """Multiplicative decrease when the server queues, retracts or passes kv_hard."""
+    kv_settle: float = Field(default=0.05, ge=0, le=1)
+    """The limit grows only while a server's KV usage rose by less than this since the previous poll: KV usage lags
+    (an admitted request's KV grows over its whole generation), so raising faster than it settles overshoots."""
+    busy_frac: float = Field(default=0.9, gt=0, le=1)
+    """The limit counts as reached (and may grow) when the requests in flight are at least this fraction of it."""
+    poll_s: float = Field(default=0.5, gt=0)
+    """Period of the load polls (each with manager.health_timeout_s as its timeout)."""
+
+    @model_validator(mode="after")
+    def _marks(self) -> "ConcurrencyConfig":
+        if self.kv_soft > self.kv_hard:
+            raise ValueError(f"manager.concurrency.kv_soft ({self.kv_soft}) must be <= kv_hard ({self.kv_hard})")
+        if self.min_limit > self.max_limit:
+            raise ValueError(f"manager.concurrency.min_limit ({self.min_limit}) must be <= max_limit "
+                             f"({self.max_limit})")
+        return self
 
 
 class ManagerConfig(Section):
@@ -173,6 +230,8 @@ class ManagerConfig(Section):
     flush until its scheduler is fully idle, which it is not for a moment after its last request ends; a
     refusal never counts as the server's failure. Past this: a bench goes on with the cache kept (said), a
     weight update ejects the server until resynced (its cache holds the old weights' KV)."""
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
+    """Requests in flight per server that follow what the server reports (manager.concurrency.adaptive)."""
 
 
 class SamplingConfig(Section):
@@ -499,6 +558,41 @@ def _cluster_problems(cfg: Config) -> list[str]:
     return out
 
 
+def lent_server_indices(cfg: Config) -> list[int]:
+    """The servers that sleep while the learner trains (server.lend_learner_gpus; [] when off): server.lent_servers,
+    else the local servers placed on one of learner.gpus."""
+    sv = cfg.server
+    if not sv.lend_learner_gpus:
+        return []
+    if sv.lent_servers is not None:
+        return sorted(set(sv.lent_servers))
+    if sv.urls:
+        return []
+    gpus = sv.gpus if sv.gpus is not None else list(range(sv.num_local))
+    learner = set(cfg.learner.gpus if cfg.learner.gpus is not None else range(cfg.learner.world_size))
+    return [i for i, g in enumerate(gpus) if g in learner]
+
+
+def _lend_problems(cfg: Config) -> list[str]:
+    sv, out = cfg.server, []
+    if not sv.lend_learner_gpus:
+        return out
+    n = len(sv.urls) or sv.num_local
+    if sv.urls and sv.lent_servers is None:
+        out.append("server.lend_learner_gpus with server.urls needs server.lent_servers: the indices of the servers "
+                   "that run on the learner's GPUs (agentloop cannot tell where servers it did not launch run)")
+    elif any(i < 0 or i >= n for i in sv.lent_servers or []):
+        out.append(f"server.lent_servers={sv.lent_servers} names servers outside the {n} server(s)")
+    elif not lent_server_indices(cfg):
+        out.append(f"server.lend_learner_gpus: no server runs on a learner GPU (server.gpus={sv.gpus}, learner.gpus="
+                   f"{cfg.learner.gpus}): place one there (e.g. server.num_local=2 server.gpus=[0,1] "
+                   "learner.gpus=[1]) or name them in server.lent_servers")
+    if cfg.cluster.backend == "ray":
+        out.append("server.lend_learner_gpus is not supported with cluster.backend=ray yet (the driver's "
+                   "ServerManager makes the calls, the rollout workers' managers would not route away)")
+    return out
+
+
 def validate_for_training(cfg: Config) -> Config:
     """Check the rules that hold only when the rollouts train a policy, and make `sampling.temperature`
     the learner's temperature (`algo.temperature`). Raises ConfigError naming every broken rule.
@@ -525,6 +619,7 @@ def validate_for_training(cfg: Config) -> Config:
                         "the built-in tiny model while the servers serve whatever they were started with; pass "
                         "--model DIR, the Hugging Face directory the servers were started with")
     problems += _cluster_problems(cfg)
+    problems += _lend_problems(cfg)
     if cfg.rollout.n_samples == 1 and cfg.algo.estimator in ("grpo", "rloo"):
         problems.append(f"rollout.n_samples=1 with algo.estimator={cfg.algo.estimator}: every group is one episode, "
                         "whose advantage is 0 here (no baseline; verl's grpo/rloo would use the raw score), so "

@@ -48,6 +48,9 @@ class ServerState:
     from what the server reports when manager.max_inflight_per_server is not set."""
     stale: bool = False
     """Answering, but serving another version than the expected one: kept out until synced."""
+    asleep: bool = False
+    """Lent and asleep (a server on the learner's GPUs while the learner trains): takes no request, but counts as
+    alive (requests wait for a server awake instead of declaring every server down)."""
 
 
 @dataclass
@@ -71,7 +74,7 @@ class Router:
 
     def _open(self, i: int) -> bool:
         s = self.servers[i]
-        return s.healthy and s.inflight < (s.cap or self.max_inflight)
+        return s.healthy and not s.asleep and s.inflight < (s.cap or self.max_inflight)
 
     def capacity(self, idx: int) -> int:
         """Concurrent requests server `idx` takes."""

@@ -15,7 +15,10 @@ Its public face; the work is done by parts that each hold one role (agentloop.cl
                                      followers (agentloop.client.followers): managers in other processes (Ray
                                      rollout workers) generating on the same servers while this one makes the
                                      admin calls
-    size_from_servers                capacity (agentloop.client.capacity): each server's cap on concurrent requests
+    sleep_servers, wake_servers      lent servers (agentloop.client.lending): servers on the learner's GPUs put to
+                                     sleep while it trains (their calls continue elsewhere) and woken after
+    size_from_servers                capacity (agentloop.client.capacity): each server's cap on concurrent requests,
+                                     fixed, reported, or following its load (manager.concurrency.adaptive)
     gauges                           `server/...` numbers for progress lines and metrics
     on_close, start, close           the lifecycle: what lives as long as the manager (the agent gateway) closes
                                      first; servers paused when the manager closes are sent a continue (a run that
@@ -39,6 +42,7 @@ from agentloop.client.control_plane import ControlPlane
 from agentloop.client.data_plane import DataPlane, parse_generate_response, token_versions
 from agentloop.client.followers import Followers
 from agentloop.client.health import Health, parse_version
+from agentloop.client.lending import Lending
 from agentloop.client.state import DEFAULT_MAX_INFLIGHT, ManagerState, ResyncHook
 from agentloop.config import ManagerConfig, SamplingParams
 from agentloop.errors import ServerError
@@ -74,7 +78,9 @@ class ServerManager:
                                    readmit=self.health.readmit)
         self.control = ControlPlane(self.state, followers=self.followers, readmit=self.health.readmit)
         self.data = DataPlane(self.state, on_full=self.capacity.on_full)
+        self.lending = Lending(self.state, drain=self.control._drain, flush_one=self.control._flush_one)
         self._health_task: asyncio.Task | None = None
+        self._follow_task: asyncio.Task | None = None
         self._closers: list[Callable[[], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ what the parts share
@@ -124,8 +130,9 @@ class ServerManager:
         self.state.resync = hook
 
     def gauges(self) -> dict[str, float]:
-        """`server/...` numbers: health, in-flight calls, latency, cache hits, counters, connections, per server."""
-        return self.state.gauges()
+        """`server/...` numbers: health, in-flight calls, latency, cache hits, counters, connections, per server;
+        the concurrency limits and the load signal they follow (`server/conc_...`, agentloop.client.concurrency)."""
+        return {**self.state.gauges(), **self.capacity.gauges(), **self.lending.gauges()}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,6 +160,8 @@ class ServerManager:
             # timed out meanwhile), so failed probes count only once it has had that long to answer.
             s.answered_at = [time.monotonic()] * len(s.urls)
             self._health_task = asyncio.create_task(self.health.run(), name="server-health")
+        if self._follow_task is None and self.capacity.control is not None:
+            self._follow_task = asyncio.create_task(self.capacity.follow(), name="server-concurrency")
 
     def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Await `fn()` first thing when the manager closes: what lives as long as it and serves through it
@@ -167,15 +176,22 @@ class ServerManager:
         for fn in reversed(closers):
             await fn()
         s.closed = True
+        if s.asleep and s.session is not None:  # lent servers we leave: their memory back (best effort)
+            for i in sorted(s.asleep):
+                try:
+                    await s.admin_post(s.urls[i], "/resume_memory_occupation", {}, timeout=s.cfg.health_timeout_s)
+                except Exception:  # noqa: BLE001 - best effort: the server may be gone, or the run ending
+                    pass
         if s.paused and s.session is not None:
             # The run is ending while servers are paused (an exception, Ctrl-C, the learner's death):
             # servers we did not launch (--server-url) would stay paused for whoever uses them next.
             await s.continue_quietly(sorted(s.paused))
             s.paused.clear()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
+        for task in (self._health_task, self._follow_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._health_task = self._follow_task = None
         if s.background:  # aborts of cancelled calls: give them their (short) timeout to land
             await asyncio.wait(set(s.background), timeout=s.cfg.health_timeout_s + 1.0)
             for t in s.background:
@@ -196,6 +212,23 @@ class ServerManager:
         """Generate from `prompt_ids` on some server; the episode sticks to one server when it can. A call
         interrupted by an abort-mode pause continues after `resume` (agentloop.client.data_plane)."""
         return await self.data.generate(episode_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+    async def sleep_servers(self, urls: Sequence[str], *, release: bool = True,
+                            tags: Sequence[str] = ("kv_cache",)) -> None:
+        """Put these (lent) servers to sleep: no new requests, their calls continue on the others, their memory
+        released (agentloop.client.lending)."""
+        await self.lending.sleep([self._index(u) for u in urls], release=release, tags=tags)
+
+    async def wake_servers(self, urls: Sequence[str], *, release: bool = True,
+                           tags: Sequence[str] = ("kv_cache",)) -> None:
+        """Wake servers put to sleep by `sleep_servers` (same `release` and `tags`)."""
+        await self.lending.wake([self._index(u) for u in urls], release=release, tags=tags)
+
+    def _index(self, url: str) -> int:
+        try:
+            return self.state.urls.index(url.rstrip("/"))
+        except ValueError:
+            raise ServerError(f"{url} is not one of this manager's servers ({', '.join(self.state.urls)})") from None
 
     def end_episode(self, episode_id: str) -> None:
         """Forget the episode's sticky server (the engine calls this when an episode ends)."""

@@ -34,7 +34,9 @@ one version (abort-mode interrupts guarantee it) takes the version the server re
 Interrupts. `pause("abort")` makes in-flight calls return their partial tokens (finish "abort"); a
 call interrupted that way waits for `resume` and continues itself: it re-submits prompt + partial
 with the remaining budget under the new weights, and the caller gets one TokenOutput whose tokens
-carry both versions. `retract` (the server re-prefills on resume) and `in_place` (old KV kept) need no
+carry both versions. A call aborted because its server was put to sleep (a lent server on the learner's GPUs,
+agentloop.client.lending) continues the same way at once on a server awake, under the same weights. `retract`
+(the server re-prefills on resume) and `in_place` (old KV kept) need no
 client work, except where a server cannot flush its cache with retracted requests waiting (SGLang
 0.5.17): `finish_update` aborts those, and their calls continue as abort-mode ones do. What each mode
 flushes, and why in_place salts the prefix cache per version instead: agentloop.interrupt. An abort not
@@ -190,11 +192,14 @@ class DataPlane:
             left = budget - len(ids)
             call_sp = sp if not ids else {**sp, "max_new_tokens": left}
             epoch = s.interrupts
+            evicted = dict(s.evictions)
             out = await self._generate_once(episode_id, prompt if not ids else [*prompt, *ids], call_sp)
             ids += out.token_ids
             lps += out.logprobs
             vers += out.token_versions
-            if out.finish_reason == "abort" and s.interrupts != epoch and len(ids) < budget:
+            # its server was put to sleep meanwhile (a lent server, agentloop.client.lending): go on on another
+            slept = s.evictions.get(out.server or "", 0) != evicted.get(out.server or "", 0)
+            if out.finish_reason == "abort" and (s.interrupts != epoch or slept) and len(ids) < budget:
                 interrupted += 1
                 s.stats["interrupted_calls"] += 1
                 continue  # a weight update cut it: go on under the new weights once resumed

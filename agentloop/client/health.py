@@ -113,6 +113,8 @@ class Health:
 
         async def one(i: int) -> None:
             server = s.router.servers[i]
+            if server.asleep:
+                return  # its memory is released: it is woken (and checked) before it serves again
             if server.healthy:
                 if await self.check_health(i):
                     s.router.record_success(i)

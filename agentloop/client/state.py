@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -92,6 +92,10 @@ class ManagerState:
                       "cancelled_calls": 0, "dropped_connections": 0, "flushes_refused": 0, "admin_failures": 0}
         self.down_since: float | None = None
         """Since when no server has been admitted (AllServersDownError after manager.all_down_grace_s)."""
+        self.asleep: set[int] = set()
+        """Lent servers put to sleep (agentloop.client.lending): no requests, no probes, woken before they serve."""
+        self.evictions: Counter[str] = Counter()
+        """Times each server was put to sleep: an abort a sleep caused is an interrupt its call continues elsewhere."""
         self.answered_at = [float("-inf")] * len(self.urls)
         """Last successful request per server (a server answering requests is alive, whatever its probe says)."""
         self.closed = False
@@ -196,6 +200,7 @@ class ManagerState:
             g[f"server/{i}/healthy"] = float(s.healthy)
             g[f"server/{i}/requests"] = float(s.requests)
             g[f"server/{i}/capacity"] = float(self.router.capacity(i))
+            g[f"server/{i}/asleep"] = float(s.asleep)
         return g
 
 

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -372,7 +373,8 @@ def resolve_device(device: str) -> Literal["cpu", "cuda"]:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-async def launch_servers(server_cfg: ServerConfig, model_path: str | Path, run_dir: str | Path) -> list[LocalServer]:
+async def launch_servers(server_cfg: ServerConfig, model_path: str | Path, run_dir: str | Path, *,
+                         memory_saver: Sequence[int] = ()) -> list[LocalServer]:
     """Start `server_cfg.num_local` servers concurrently and wait until all are ready.
 
     On CUDA, server i uses GPU i. Logs go to `<run_dir>/servers/server<i>.log`. If any server
@@ -404,7 +406,9 @@ async def launch_servers(server_cfg: ServerConfig, model_path: str | Path, run_d
                 gpu_id=(server_cfg.gpus[i] if server_cfg.gpus is not None else i) if device == "cuda" else None,
                 max_total_tokens=server_cfg.max_total_tokens,
                 mem_fraction_static=server_cfg.mem_fraction_static,
-                extra_args=server_cfg.extra_args,
+                # a lent server releases its KV cache while the learner trains: SGLang's memory saver on CUDA
+                extra_args=(["--enable-memory-saver"] if device == "cuda" and i in memory_saver else [])
+                + list(server_cfg.extra_args),
                 log_path=log_dir / f"server{i}.log",
                 startup_timeout_s=server_cfg.startup_timeout_s,
                 shutdown_timeout_s=server_cfg.shutdown_timeout_s,

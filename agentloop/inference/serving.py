@@ -17,11 +17,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentloop.config import Config, ServerConfig
+from agentloop.config import Config, ServerConfig, lent_server_indices
 from agentloop.errors import ServerError
 from agentloop.inference.launcher import LocalServer, launch_servers, stop_servers
 from agentloop.server_manager import ResyncHook, ServerManager
@@ -74,14 +74,18 @@ class UrlPool(ServerPool):
 class LocalPool(ServerPool):
     """`server.num_local` servers launched on this host (agentloop.inference.launcher), logs in run_dir/servers."""
 
-    def __init__(self, server_cfg: ServerConfig, model_path: Path, run_dir: Path):
+    def __init__(self, server_cfg: ServerConfig, model_path: Path, run_dir: Path, *, memory_saver: Sequence[int] = ()):
+        """`memory_saver`: servers started with --enable-memory-saver on CUDA (the lent ones,
+        server.lend_learner_gpus: they release their KV cache while the learner trains)."""
         self.server_cfg = server_cfg
         self.model_path = model_path
         self.run_dir = run_dir
+        self.memory_saver = list(memory_saver)
         self.servers: list[LocalServer] = []
 
     async def launch(self) -> list[str]:
-        self.servers = await launch_servers(self.server_cfg, self.model_path, self.run_dir)
+        self.servers = await launch_servers(self.server_cfg, self.model_path, self.run_dir,
+                                            memory_saver=self.memory_saver)
         return self.urls
 
     @property
@@ -98,7 +102,8 @@ def pool_for(cfg: Config, model_path: Path, run_dir: Path) -> ServerPool:
     """The servers of `server.urls`, or `server.num_local` local ones."""
     if cfg.server.urls:
         return UrlPool(list(cfg.server.urls))
-    return LocalPool(cfg.server, model_path, run_dir)
+    saver = lent_server_indices(cfg) if cfg.server.lend_release else []
+    return LocalPool(cfg.server, model_path, run_dir, memory_saver=saver)
 
 
 @contextlib.asynccontextmanager

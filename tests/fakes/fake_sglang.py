@@ -68,6 +68,11 @@ class FakeSGLang:
     tp_size: int = 1
     max_running_requests: int | None = None
     """Reported in /server_info as SGLang 0.5.23 does (top level and internal_states[0]); None: not reported."""
+    memory_saver: bool = True
+    """Reported in /server_info (`enable_memory_saver`): lent servers release their memory only then."""
+    load_capacity: int | None = None
+    """Serve /v1/loads as SGLang 0.5.x does, for a server whose KV pool holds this many requests: that many run
+    (token_usage = running / load_capacity), the rest wait in its queue. None: no /v1/loads (404)."""
     refuse: set[str] = field(default_factory=set)
     paused: bool = False
     pause_mode: str | None = None
@@ -93,6 +98,9 @@ class FakeSGLang:
     refuse_flushes: int = 0
     """The next N /flush_cache calls are refused (HTTP 400) whatever runs: SGLang's scheduler right after its last
     request ended ("Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 0")."""
+    released: bool = False
+    """Its memory released (/release_memory_occupation), as SGLang 0.5.x: a release while a request runs, or a
+    request while released, kills it (crashed), as SGLang's assertion or a fault on the released KV would."""
     crashed: bool = False
     """An update asked for a flush that 0.5.17's scheduler asserts on: the server is dead from then on."""
     """The next N /generate requests find their connection closed as they arrive (unanswered), as when
@@ -118,9 +126,12 @@ class FakeSGLang:
         app.router.add_get("/model_info", self._model_info)
         for path in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
                      "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-                     "/update_weights_from_distributed", "/destroy_weights_update_group"):
+                     "/update_weights_from_distributed", "/destroy_weights_update_group",
+                     "/release_memory_occupation", "/resume_memory_occupation"):
             app.router.add_post(path, self._admin)
         app.router.add_get("/server_info", self._server_info)
+        if self.load_capacity is not None:
+            app.router.add_get("/v1/loads", self._loads)
         if self.weight_sessions:
             app.router.add_post("/begin_weight_update", self._admin)
             app.router.add_post("/end_weight_update", self._admin)
@@ -212,6 +223,8 @@ class FakeSGLang:
         self.events.append(request.path)
         await self._note()
         rid = body.get("rid", "")
+        if self.released:
+            self.crashed = True
         if self.mode == "error500" or self.crashed:
             return web.Response(status=500, text="internal error (injected)")
         if self.mode == "error400":
@@ -296,11 +309,19 @@ class FakeSGLang:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         self.admin.append((request.path, None))
-        info: dict[str, Any] = {"tp_size": self.tp_size, "version": "fake"}
+        info: dict[str, Any] = {"tp_size": self.tp_size, "version": "fake", "device": "cuda",
+                                "enable_memory_saver": self.memory_saver}
         if self.max_running_requests is not None:
             info["max_running_requests"] = self.max_running_requests
             info["internal_states"] = [{"effective_max_running_requests_per_dp": self.max_running_requests}]
         return web.json_response(info)
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        cap = self.load_capacity or 1
+        running = min(self.inflight, cap)
+        return web.json_response({"loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": self.inflight - running,
+            "token_usage": running / cap, "max_running_requests": 4 * cap, "queues": {"retracted": 0}}]})
 
     def _flush_refused(self) -> bool:
         """Whether a flush now would be refused (requests held by a pause; see `flush_model`)."""
@@ -321,6 +342,13 @@ class FakeSGLang:
         if path in self.refuse:
             return web.json_response({"success": False, "message": "refused (injected)"}, status=400)
         assert self._unpause is not None
+        if path == "/release_memory_occupation":
+            if self._active > 0:
+                self.crashed = True  # SGLang asserts "should be called only when server is idle"
+                return web.Response(status=500, text="release_memory_occupation while requests run (injected)")
+            self.released = True
+        if path == "/resume_memory_occupation":
+            self.released = False
         if path == "/flush_cache" and self.refuse_flushes > 0:
             self.refuse_flushes -= 1
             return web.json_response({"success": False, "message": "Cache not flushed because there are pending "

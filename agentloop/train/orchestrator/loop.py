@@ -63,7 +63,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from agentloop.config import Config, validate_for_training
+from agentloop.config import Config, lent_server_indices, validate_for_training
 from agentloop.data import TrainData, load_train_data
 from agentloop.errors import AgentLoopError, failure_kind
 from agentloop.inference.serving import serving
@@ -86,6 +86,7 @@ from agentloop.train.model_support import require_model_support
 from agentloop.train.orchestrator.backend import Backend, LocalBackend
 from agentloop.train.orchestrator.cursor import DataCursor
 from agentloop.train.orchestrator.journaling import JournalRows, journal_dir, open_run_journal, step_uids
+from agentloop.train.orchestrator.lending import Lender
 from agentloop.train.orchestrator.schedule import AsyncSchedule, Command, Retry, Staleness
 from agentloop.train.orchestrator.served_model import align_served_weights, check_served_model
 from agentloop.train.planning.preflight import Preflight, run_preflight, say_lines
@@ -277,6 +278,10 @@ class Trainer:
         self._cache_seen = (0.0, 0.0)  # the servers' cached and prompt tokens at the last step's row
         self.final: dict[str, Any] = {}
         self.loop_lag = LoopLagMonitor()
+        lent = lent_server_indices(cfg)
+        self.lender: Lender | None = Lender(sm, [sm.urls[i] for i in lent], release=bool(cfg.server.lend_release),
+                                            tags=cfg.server.lend_release) if lent else None
+        """server.lend_learner_gpus: the servers on the learner's GPUs, asleep while it trains (lending)."""
         """Event-loop lag while a schedule runs: `loop/lag_*_ms` of each step's row (since the previous one)."""
         (run_dir / "rollouts").mkdir(exist_ok=True)
 
@@ -340,7 +345,8 @@ class Trainer:
         return usable, checks
 
     async def train_step(self, step: int, records: list[EpisodeRecord], t0: float, t_roll: float,
-                         extra: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
+                         extra: dict[str, Any], *, write: bool = True,
+                         next_ready: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Write the step's rollouts (unless the caller did), train on them, push the weights, log the step."""
         # Step-boundary work (the version check over every token, the rollouts file, the metrics row and the
         # curves page) runs in a thread, awaited in order: episodes still in flight (async schedule) keep the loop.
@@ -356,6 +362,8 @@ class Trainer:
             except OSError as e:  # e.g. a full disk: the message names the file
                 raise TrainingError(f"step {step}: {e}") from e
         data_state = extra.pop("_data_state")
+        if self.lender is not None:  # the learner trains only beside lent servers asleep (lending)
+            await self.lender.before_train()
         if not submitted:
             try:  # advantages and every rank's micro-batches, off the event loop (agentloop.train.batch.prepare)
                 batch = await asyncio.to_thread(prepare_batch, usable, self.cfg.algo, self.layout, step)
@@ -368,6 +376,10 @@ class Trainer:
             upd, t_learn, t_sync = await self.learner_update(step)
         except LearnerError as e:
             raise TrainingError(f"learner failed at step {step}: {e}\n{await self.learner.failure_context()}") from e
+        if self.lender is not None:  # the step's weights are in every server: the lent ones serve again
+            await self.lender.after_update(next_ready() if next_ready is not None and step < self.cfg.train.steps
+                                           else False)
+            extra.update(self.lender.metrics())
         checks["train/groups_dropped_infra"] += extra.pop("_groups_dropped_infra", 0)
         row: dict[str, Any] = {"step": float(step), **rollout_metrics(records, "train"), **checks, **extra}
         row.update({f"learner/{k}": float(v) for k, v in upd.metrics.items() if isinstance(v, (int, float))})
@@ -387,6 +399,10 @@ class Trainer:
                     # empties them; in_place keeps them, isolated per version)
                     "server/prefix_cache_hit_rate": step_cached / step_prompt if step_prompt else 0.0,
                     "server/flushes_refused": g["server/flushes_refused"],
+                    # the concurrency limits and the load they follow (manager.concurrency; the sum of the fixed
+                    # caps when not adaptive)
+                    **{k: v for k, v in g.items() if k.startswith("server/conc_") or k.endswith(
+                        ("/conc_limit", "/kv_usage", "/waiting"))},
                     **self.loop_lag.gauges(reset=True)})
         if self.journal_rows is not None:
             row.update(self.journal_rows.row())
@@ -509,7 +525,8 @@ class Trainer:
                     extra[f"async/{k}"] = float(delta[k])
                 extra["_groups_dropped_infra"] = delta["groups_dropped_infra"]
                 logged = Counter(sched.counts)
-                await self.train_step(step, records, t0, t_roll, extra)
+                await self.train_step(step, records, t0, t_roll, extra,
+                                      next_ready=lambda s=step: sched.buffer.eligible(s + 1) >= B)
                 sched.version_pushed(step)
                 changed.set()
         finally:
