@@ -11,6 +11,7 @@ LIB:SPEC` fills them in). Vocabulary: imports pydantic only.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -92,10 +93,30 @@ class TextArenaEnvConfig(_Section):
     """Response tokens of the whole episode, policy and game (mask 0) together."""
     system_prompt: str | None = None
     """A system message before the game's first observation (None: none; TextArena's observation holds the rules)."""
+    action_pattern: str | None = None
+    """A regular expression (Python `re`) read off each policy turn's text: the action sent to the game is its
+    last match (group 1 when the pattern has a group, else the whole match), e.g. `####\\s*(\\d+)` for a model
+    that answers `#### n` (TextArena's action wrapper then brackets a bare `n` as `[n]`). None: the whole turn
+    text, as TextArena's own LLM agents send theirs. A turn with no match sends its whole text, so the game judges
+    it as it would without the pattern (an invalid move is penalised by the game's rules). Answer extraction on
+    the agent's side, as reasoning-gym's extract_answer: the game is unchanged and the model's tokens stay as
+    sampled (mask 1); only the action string passed to `env.step` changes. An invalid expression is a config
+    error."""
     step_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one game call (make, reset, get_observation, step, close), run in a thread."""
     episodes: int = Field(default=512, ge=1)
     """Rows (games, each seeded by its index) when the run has no data file (`--env textarena:GAME`)."""
+
+    @field_validator("action_pattern")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"envs.textarena.action_pattern {v!r} is not a valid regular expression: {e}") \
+                    from None
+        return v
 
 
 class OpenEnvConfig(_Section):

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/envs_curves.py        # -> benchmarks/results_envs/curves.png, prints the table
 
 Each run is `agentloop train --config configs/envs/<lib>_tiny.yaml --env ...` (the command is in each config's
-header and in benchmarks/RESULTS_envs.md): the tiny warm-started model, 20 GRPO steps of 8 prompts x 8 samples.
+header and in docs/environments.md, "Parity, exactness, scale"): the tiny warm-started model, 20 GRPO steps of
+8 prompts x 8 samples.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Per episode: `env = textarena.make(envs.textarena.env_id, **envs.textarena.env_kwargs)`, `env.reset(num_players,
 seed=the row's seed)`, then TextArena's own loop: `player_id, observation = env.get_observation()`; the policy's
-turn is generated (its text is the action, as TextArena's LLM agents send theirs), the fixed opponent's is
+turn is generated (its text is the action, as TextArena's LLM agents send theirs, or with
+envs.textarena.action_pattern set the pattern's last match in it: `game_action`), the fixed opponent's is
 chosen from the moves the game lists; `done, info = env.step(action)` until done; `rewards, game_info =
 env.close()` and the policy player's reward is the episode's reward (the game's outcome: a win 1, a loss -1 or
 0 as the game defines it; a game cut by envs.textarena.max_turns scores what close() gives it, 0 when nothing).
@@ -20,6 +21,7 @@ it as its rules say), never an error.
 
     FixedOpponent    first_valid / random_valid: a move from the last "Available Moves" / "Valid moves" list
     new_text         the part of a cumulative observation the conversation has not shown yet
+    game_action      the action a policy turn sends: the action_pattern's last match, or the whole text
     textarena_rows   the rows of `--env textarena:GAME` without a data file: one game each, seeded by its index
 """
 
@@ -71,6 +73,17 @@ def new_text(observation: str, shown: str) -> str:
     return observation[len(shown):] if shown and observation.startswith(shown) else observation
 
 
+def game_action(pattern: re.Pattern[str] | None, text: str) -> tuple[str, bool]:
+    """(the action sent for a policy turn's `text`, whether `pattern` matched). The last match of `pattern` (its
+    group 1 when it has groups; a match whose group 1 took no part is skipped); the whole `text` when `pattern` is
+    None or nothing matches (the game then judges the text itself)."""
+    if pattern is None:
+        return text, True
+    found = [m.group(1) if pattern.groups else m.group(0) for m in pattern.finditer(text)]
+    found = [f for f in found if f is not None]
+    return (found[-1], True) if found else (text, False)
+
+
 def make_env(cfg: TextArenaEnvConfig) -> Any:
     try:
         import textarena
@@ -120,7 +133,9 @@ class TextArenaLoop(AgentLoopBase):
         shown = ""
         turns = 0
         finish = "stop"
-        metrics = {"opponent_moves": 0.0}
+        metrics = {"opponent_moves": 0.0, "action_unmatched": 0.0}
+        pattern = re.compile(cfg.action_pattern) if cfg.action_pattern is not None else None
+        actions: list[str] = []
         await _call(env.reset, "reset", timeout, num_players=cfg.num_players, seed=seed)
         done = False
         while not done:
@@ -150,6 +165,9 @@ class TextArenaLoop(AgentLoopBase):
                 finish = "abort"
                 break
             turns += 1
+            action, matched = game_action(pattern, action)
+            metrics["action_unmatched"] += not matched
+            actions.append(action)
             done, _ = await _call(env.step, "step", timeout, action)
         rewards, game_info = await _call(env.close, "close", timeout)
         if chat is None:
@@ -160,7 +178,7 @@ class TextArenaLoop(AgentLoopBase):
                        game_turns=float(info.get("turn_count", turns)))
         return chat.build(finish_reason=finish, reward=reward, metrics=metrics,
                           extra={"game_info": {str(k): v for k, v in (game_info or {}).items()},
-                                 "solution_str": chat.messages[-1]["content"]})
+                                 "solution_str": chat.messages[-1]["content"], "actions": actions})
 
 
 def textarena_rows(cfg: TextArenaEnvConfig) -> list[dict[str, Any]]:
@@ -172,4 +190,4 @@ def textarena_rows(cfg: TextArenaEnvConfig) -> list[dict[str, Any]]:
              "extra_info": {"index": i, "textarena": {"seed": i}}} for i in range(cfg.episodes)]
 
 
-__all__ = ["FixedOpponent", "TextArenaLoop", "listed_moves", "new_text", "textarena_rows"]
+__all__ = ["FixedOpponent", "TextArenaLoop", "game_action", "listed_moves", "new_text", "textarena_rows"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 
@@ -17,7 +18,14 @@ from agentloop.config import Config
 from agentloop.errors import EnvError
 from agentloop.loops.env_tokens import encode_env_text
 from agentloop.loops.template import template_info
-from agentloop.loops.textarena_env import FixedOpponent, TextArenaLoop, listed_moves, new_text, textarena_rows
+from agentloop.loops.textarena_env import (
+    FixedOpponent,
+    TextArenaLoop,
+    game_action,
+    listed_moves,
+    new_text,
+    textarena_rows,
+)
 from agentloop.records import Sample
 from tests.unit.loops.test_tool_loop import ScriptedServer, get_tokenizer
 
@@ -40,8 +48,9 @@ def opponent_move(obs: str) -> str:
     return line.split(":", 1)[1].split(",")[0].strip().strip("'")
 
 
-def theirs(game: str, players: int, seed: int, moves: list[str], max_turns: int) -> tuple[float, int]:
-    env = ta.make(game)
+def theirs(game: str, players: int, seed: int, moves: list[str], max_turns: int,
+           options: dict | None = None) -> tuple[float, int]:
+    env = ta.make(game, **(options or {}))
     env.reset(num_players=players, seed=seed)
     done, turns, it = False, 0, iter(moves)
     while not done:
@@ -153,3 +162,53 @@ def test_observation_that_is_not_text(monkeypatch):
     monkeypatch.setattr(core.Wrapper, "get_observation", lambda self: (0, {"board": [1, 2]}), raising=False)
     with pytest.raises(EnvError, match="observation is not text: dict"):
         ours(tok, "GuessTheNumber-v0", 1, 0, ["[1]"], max_turns=2)
+
+
+def test_game_action_is_the_patterns_last_match():
+    pat = re.compile(r"####\s*(\d+)")
+    assert game_action(None, "#### 7") == ("#### 7", True)
+    assert game_action(pat, "#### 3 no, #### 7") == ("7", True)
+    assert game_action(re.compile(r"\d+"), "3 then 12") == ("12", True)     # no group: the whole match
+    assert game_action(pat, "seven") == ("seven", False)                    # no match: the whole text
+    assert game_action(re.compile(r"(a)|b"), "a b") == ("a", True)           # group 1 absent from the last match
+
+
+def test_action_pattern_sends_the_match_and_keeps_the_sampled_tokens():
+    tok = get_tokenizer("modelzoo")
+    replies = ["#### 5", "I say #### 2 or rather #### 9", "no number", "#### 3", "#### 7", "#### 1", "#### 4"]
+    sent = [game_action(re.compile(r"####\s*(\d+)"), r)[0] for r in replies]
+    assert sent[:3] == ["5", "9", "no number"]
+    rewards, played = [], []
+    game = {"min_number": 1, "max_number": 10, "max_turns": 4}   # 4 guesses: the turn limit gives partial credit
+    for seed in range(12):
+        want, turns = theirs("GuessTheNumber-v0", 1, seed, sent, max_turns=6, options=game)
+        server = ScriptedServer(tok, [(m, "stop") for m in replies])
+        loop = make_loop(tok, server, env_id="GuessTheNumber-v0", env_kwargs=game, max_turns=6,
+                         max_response_tokens=1 << 20, action_pattern=r"####\s*(\d+)")
+        from agentloop.config import SamplingParams
+
+        out = asyncio.run(loop.run(sample(seed), SamplingParams(max_new_tokens=64, seed=seed)))
+        assert (out.reward, out.num_turns) == (want, turns), seed
+        assert out.extra["actions"] == sent[:turns]
+        assert out.metrics["action_unmatched"] == float("no number" in sent[:turns])
+        # the model's tokens are the sampled ones; only the game's echo shows the extracted action
+        model = tok.decode([t for t, m in zip(out.response_ids, out.response_mask) if m])
+        env = tok.decode([t for t, m in zip(out.response_ids, out.response_mask) if not m])
+        assert model == "<|im_end|>".join(replies[:turns]) + "<|im_end|>"
+        assert turns == 1 or "[Player] [5]" in env
+        rewards.append(want)
+        played.append(turns)
+    # wins, partial credit and the unmatched turn all occur in these games
+    assert 1.0 in rewards and any(0 < r < 1 for r in rewards) and max(played) >= 3
+    # without the pattern the same replies are bracketed whole: "[#### 5]" is an invalid move
+    out, _ = ours(tok, "GuessTheNumber-v0", 1, 0, replies, max_turns=6)
+    assert out.metrics["invalid_move"] == 1.0 and out.extra["actions"][0] == "#### 5"
+
+
+def test_bad_action_pattern_is_a_config_error_naming_the_key():
+    from agentloop.config import load_config
+    from agentloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"envs\.textarena\.action_pattern.*not a valid regular expression"):
+        load_config(None, ["envs.textarena.action_pattern='####\\s*(\\d+'"])
+    assert load_config(None, ["envs.textarena.action_pattern='(\\d+)'"]).envs.textarena.action_pattern == r"(\d+)"
