@@ -36,17 +36,23 @@ def test_a_killed_async_run_goes_on_from_its_journal(sglang_server, tiny_model_p
 
     url = sglang_server.url
     run_dir, plugin, stall, counter = tmp_path / "run", tmp_path / "reward.py", tmp_path / "stall", tmp_path / "calls"
+    # the first PROMPTS groups to be scored (both samples of each, in whatever order the scorer takes them) pass;
+    # every other episode waits while `stall` exists: step 1 trains, the groups after it stay journaled in scoring
     plugin.write_text(
-        "import fcntl, os, time\n\n"
+        "import fcntl, json, os, time\n\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    key = str((extra_info or {}).get('index'))\n"
         f"    with open({str(counter)!r}, 'a+') as fh:\n"
         "        fcntl.flock(fh, fcntl.LOCK_EX)\n"
         "        fh.seek(0)\n"
-        "        n = int(fh.read() or 0) + 1\n"
-        "        fh.seek(0)\n"
-        "        fh.truncate()\n"
-        "        fh.write(str(n))\n"
-        f"    while n > {PROMPTS * SAMPLES} and os.path.exists({str(stall)!r}):\n"
+        "        passed = json.loads(fh.read() or '[]')\n"
+        f"        through = key in passed or len(passed) < {PROMPTS}\n"
+        "        if through and key not in passed:\n"
+        "            passed.append(key)\n"
+        "            fh.seek(0)\n"
+        "            fh.truncate()\n"
+        "            fh.write(json.dumps(passed))\n"
+        f"    while not through and os.path.exists({str(stall)!r}):\n"
         "        time.sleep(0.1)\n"
         "    return float(len(solution_str) > 0 and ord(solution_str[0]) % 2 == 0)\n")
     stall.touch()
