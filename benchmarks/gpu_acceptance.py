@@ -130,6 +130,29 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def generates(self, timeout: float = 30.0) -> bool:
+        """Whether a generation goes through its scheduler (/health_generate) within `timeout`."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=timeout) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def restart_if_blocked(self, log: Path) -> bool:
+        """After a SIGKILL of a run that sends weights by nccl: SGLang's weight group has no timeout, so a learner
+        killed mid-broadcast leaves this server blocked in the collective for good. A user restarts it (the resumed
+        run's error says so); so does the row, on the same port, and says it did. True when it was restarted."""
+        if self.generates():
+            return False
+        with log.open("ab") as fh:
+            fh.write(b"[acceptance: the server does not generate (blocked in the killed learner's broadcast): "
+                     b"restarting it on the same port]\n")
+        self.stop()
+        self.start(timeout=400)
+        return True
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -435,6 +458,7 @@ class Rows:
                 fh.write(b"\n[acceptance: SIGKILL to the run's process group]\n")
             submitted = max(int(d.name[5:]) for d in (run / "mailbox").glob("step-*")
                             if (d / "batch.ready").is_file())
+            restarted_server = sync == "nccl" and not acc.smoke and srv.restart_if_blocked(log)
             t = time.monotonic()
             rc = acc.cli(["train", "--quiet", "--run-dir", str(run)], log, 400)  # the README's resume command
             if rc != 0:
@@ -463,9 +487,11 @@ class Rows:
         if rc != 0:
             raise Failed(f"`agentloop rollout --model {weights}` exited {rc}")
         r.data = {"submitted_at_kill": submitted, "resumed": resumed, "resume_s": round(time.monotonic() - t, 1),
-                  "steps": len(rows), "rollout_tail": rtext.splitlines()[-6:]}
+                  "steps": len(rows), "rollout_tail": rtext.splitlines()[-6:], "server_restarted": restarted_server}
         r.figure = (f"killed with step {submitted}'s batch submitted; {resumed}; steps 1..{steps} one row each; "
-                    f"{check_servers(rows)}; final weights served by `agentloop rollout` (exit 0)")
+                    f"{check_servers(rows)}; final weights served by `agentloop rollout` (exit 0)"
+                    + ("; the server, blocked in the killed learner's nccl broadcast, was restarted before the resume"
+                       if restarted_server else ""))
 
     # ---- the episode journal: killed with episodes in flight, resumed from where they stood
 
@@ -504,6 +530,7 @@ class Rows:
                 finally:
                     _kill_group(p)
                 fh.write(b"\n[acceptance: SIGKILL to the run's process group]\n")
+            restarted_server = not acc.smoke and srv.restart_if_blocked(log)
             t = time.monotonic()
             rc = acc.cli(["train", "--quiet", "--run-dir", str(run)], log, 400)  # the README's resume command
             if rc != 0:
@@ -532,9 +559,11 @@ class Rows:
             raise Failed(f"positions skipped: {sorted(skipped)}")
         restarted = int(sum(row.get("journal/episodes_restarted", 0) for row in rows))
         r.data = {"plan": plan, "tokens_reused": reused, "resume_s": round(time.monotonic() - t, 1),
-                  "episodes_restarted": restarted, "steps": len(rows)}
+                  "episodes_restarted": restarted, "steps": len(rows), "server_restarted": restarted_server}
         r.figure = (f"{plan}; {reused} journaled tokens reused, {restarted} episodes restarted; steps 1..{steps} one "
-                    f"row each, every position trained once; {check_servers(rows)}")
+                    f"row each, every position trained once; {check_servers(rows)}"
+                    + ("; the server, blocked in the killed learner's nccl broadcast, was restarted before the resume"
+                       if restarted_server else ""))
 
     # ---- interrupt modes
 

@@ -122,7 +122,18 @@ async def serving(cfg: Config, model_path: Path, run_dir: Path, *, pool: ServerP
         urls = await pool.launch()
         async with ServerManager(urls, cfg.manager, vocab_size=vocab, initial_version=initial_version,
                                  on_event=on_event, cache_salt=cache_salt, resync=resync) as sm:
-            await sm.wait_ready(timeout=cfg.server.startup_timeout_s)
+            try:
+                await sm.wait_ready(timeout=cfg.server.startup_timeout_s)
+            except ServerError as e:
+                if cfg.server.urls and cfg.learner.weight_sync == "nccl":
+                    # SGLang's weight-update group has no timeout: a learner killed mid-broadcast leaves the
+                    # servers it was sending to blocked in the collective for good, answering /health but no
+                    # /health_generate; only a restart frees them, and only the user can restart theirs
+                    raise ServerError(
+                        f"{e}. With learner.weight_sync=nccl, a server that was receiving weights from a learner "
+                        "that died (killed, crashed) stays blocked in that broadcast: restart the server(s) you "
+                        "started, then run the same command again") from e
+                raise
             yield sm
     finally:
         await pool.stop()

@@ -57,3 +57,27 @@ def test_the_config_picks_urls_or_local_servers(tmp_path: Path):
     by_url = pool_for(load_config(None, ["server.urls=[\"http://h:1/\"]"]), tmp_path, tmp_path)
     assert isinstance(by_url, UrlPool) and asyncio.run(by_url.launch()) == ["http://h:1"]
     assert isinstance(pool_for(load_config(None, []), tmp_path, tmp_path), LocalPool)
+
+
+@pytest.mark.parametrize("sync", ["nccl", "disk"])
+def test_a_server_that_never_answers_names_the_nccl_broadcast_it_may_be_blocked_in(tmp_path: Path, sync: str):
+    # a learner killed mid-broadcast leaves an external server blocked in the collective: the resumed run must say
+    # to restart it, not only that it is unhealthy (and only where the weights go by nccl)
+    cfg = load_config(None, ["server.urls=[\"http://127.0.0.1:1\"]", "server.startup_timeout_s=1",
+                             f"learner.weight_sync={sync}"])
+    pool = FakePool(1)
+
+    async def main():
+        async def launch() -> list[str]:
+            urls = await FakePool.launch(pool)
+            pool.fakes[0].healthy = False
+            return urls
+
+        pool.launch = launch
+        async with serving(cfg, tmp_path, tmp_path, pool=pool):
+            pass
+
+    with pytest.raises(Exception, match="not healthy within") as err:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert ("blocked in that broadcast" in str(err.value)) == (sync == "nccl")
+    assert pool.stopped == 1
