@@ -505,11 +505,14 @@ class Rows:
         log = Path(r.log)
         srv = acc.server(self.model("tiny"), server_gpu, acc.logs / "resume-journal-server.log", mem=0.85,
                          tokens=131072, extra=["--disable-cuda-graph"])
-        steps = 6
+        steps = 6 if acc.smoke else 8
         try:
             sync_args = [] if acc.smoke else ["learner.weight_sync=nccl", f"learner.gpus=[{learner_gpu}]"]
+            # on the GPU a tiny-model step's rollout of 32 x 256 tokens took under a second (call 10): the run ended
+            # before the harness saw journaled episodes beside step 2's batch, so the rollouts are made longer
+            longer = [] if acc.smoke else ["train.prompts_per_step=32", "sampling.max_new_tokens=1024"]
             args = ["train", "--quiet", "--server-url", srv.url, "--model", str(self.model("tiny")), "--run-dir",
-                    str(run), *self.tiny_train, f"train.steps={steps}", "learner.checkpoint_every=2",
+                    str(run), *self.tiny_train, *longer, f"train.steps={steps}", "learner.checkpoint_every=2",
                     "train.max_staleness=1", *sync_args]
             cmd = [sys.executable, "-m", "agentloop.cli", *args]
 
