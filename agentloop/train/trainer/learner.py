@@ -641,16 +641,12 @@ class Learner:
         import torch.distributed as dist
 
         from agentloop.train.lora import is_lora_key, save_adapter
+        from agentloop.train.trainer.gather import gather_to_rank0
 
         if self.lora is None:
             raise ValueError("save_adapter: this learner trains full weights (learner.lora.enabled is false)")
-        state = {}
-        for name, p in self.model.named_parameters():  # the same order on every rank: the gathers pair up
-            if is_lora_key(name):
-                t = p.detach()
-                t = t.full_tensor() if hasattr(t, "full_tensor") else t
-                if self.rank == 0:
-                    state[name] = t.cpu()
+        # the same order on every rank; one collective for all of them (one per tensor cost 1.6 s at 0.5B, rank 32)
+        state = gather_to_rank0([(n, p) for n, p in self.model.named_parameters() if is_lora_key(n)], self.rank)
         path = Path(path)
         if self.rank == 0:
             save_adapter(path, state, self.lora, dtype=self.compute_dtype, base_model=str(self.model_path))
