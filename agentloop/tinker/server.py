@@ -119,14 +119,20 @@ class TinkerService:
                 raise
 
         app = web.Application(middlewares=[guard], client_max_size=1 << 30)
+        def fixed(body: dict[str, Any]) -> Any:
+            async def handler(request: web.Request) -> web.Response:
+                return web.json_response(body)
+
+            return handler
+
         r = app.router
-        r.add_get("/api/v1/healthz", lambda _: web.json_response({"status": "ok"}))
-        r.add_post("/api/v1/client/config", lambda _: web.json_response(CLIENT_CONFIG))
-        r.add_post("/api/v1/client/dynamic_config", lambda _: web.json_response({}))
+        r.add_get("/api/v1/healthz", fixed({"status": "ok"}))
+        r.add_post("/api/v1/client/config", fixed(CLIENT_CONFIG))
+        r.add_post("/api/v1/client/dynamic_config", fixed({}))
         r.add_post("/api/v1/create_session", self._create_session)
-        r.add_post("/api/v1/session_heartbeat", lambda _: web.json_response({"type": "session_heartbeat"}))
-        r.add_post("/api/v1/telemetry", lambda _: web.json_response({"status": "accepted"}))
-        r.add_post("/api/v1/sessions/{sid}/finish", lambda _: web.json_response({}))
+        r.add_post("/api/v1/session_heartbeat", fixed({"type": "session_heartbeat"}))
+        r.add_post("/api/v1/telemetry", fixed({"status": "accepted"}))
+        r.add_post("/api/v1/sessions/{sid}/finish", fixed({}))
         r.add_get("/api/v1/get_server_capabilities", self._capabilities)
         r.add_post("/api/v1/create_model", self._create_model)
         r.add_post("/api/v1/get_info", self._get_info)
@@ -166,10 +172,16 @@ class TinkerService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _future(self, kind: str, coro: Any, model_id: str | None = None) -> Any:
+    def _future(self, kind: str, coro: Any, model_id: str | None = None, samples: int = 0) -> Any:
+        """Start `coro` and answer the SDK's UntypedAPIFuture (a sample's names each sequence)."""
         rid = self.futures.create(kind)
         self._spawn(rid, coro)
-        return self._json({"request_id": rid, "model_id": model_id} if model_id else {"request_id": rid})
+        body: dict[str, Any] = {"request_id": rid}
+        if model_id:
+            body["model_id"] = model_id
+        if samples:
+            body["sample_sequence_ids"] = [f"{rid}-{i}" for i in range(samples)]
+        return self._json(body)
 
     async def _train(self, model_id: str, seq_id: int | None, fn: Any, *args: Any) -> Any:
         """Run `fn(model, *args)` on the training thread in the model's seq_id order."""
@@ -433,7 +445,7 @@ class TinkerService:
                                                   full=s["full"], prompt_logprobs=bool(req.prompt_logprobs))
             return Outcome(proto=encode_sample(seqs, plp))
 
-        return self._future("sample", run())
+        return self._future("sample", run(), samples=req.num_samples)
 
     async def close(self) -> None:
         for t in list(self._tasks):
