@@ -30,7 +30,7 @@ def main(url: str) -> None:
     losses = []
     for _ in range(4):
         fb = tc.forward_backward(batch, "cross_entropy")
-        op = tc.optim_step(types.AdamParams(learning_rate=2e-2))
+        op = tc.optim_step(types.AdamParams(learning_rate=5e-3))
         losses.append(fb.result().metrics["loss:sum"])
         op.result()
     out["ce_losses"] = losses
