@@ -89,6 +89,8 @@ class TinkerService:
         self.sessions: dict[str, dict[str, Any]] = {}
         self.samplers: dict[str, dict[str, Any]] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
+        from transformers import AutoModelForCausalLM  # noqa: F401 - imported here: transformers' lazy import raced
+        # when first done on the training thread while another thread imported from it
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ephemeral = 0
 
