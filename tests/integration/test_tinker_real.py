@@ -57,6 +57,7 @@ def tinker_service(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        proc.stdout.close()  # an unclosed pipe is a ResourceWarning, an error under filterwarnings=error
         err.close()
 
 
