@@ -15,6 +15,7 @@ itself. Nothing inside the package imports this file (the public API re-exports 
     layer       where                                    role
     cli         cli.py                                   the command line
     bench       bench/                                   benchmarks (`agentloop bench ...`)
+    tinker      tinker/                                  the Tinker-compatible service (`agentloop tinker serve`)
     cluster     cluster/                                 the Ray backend of `agentloop train`: server and learner actors
     train       train/                                   `agentloop train`, in rooms by process role (their own table: agentloop/train/__init__.py)
     rollout     rollout/                                 the engine, scoring, run summary, `agentloop rollout`

@@ -32,6 +32,9 @@
     agentloop tools serve [--config F] [--plugin P]... [--host H] [--port N] [key.sub=value]...
                                    the registered tools behind an HTTP service (tools.service.*); clients
                                    use it with --tool-server-url URL (tools.server_url)
+    agentloop tinker serve [--model tiny|DIR|SHAPE] [--host H] [--port N] [--device cpu|cuda] [--run-dir DIR]
+                                   a Tinker-compatible service (the tinker SDK and tinker-cookbook recipes run
+                                   against it: TINKER_BASE_URL=http://H:N), our learner + a real SGLang server
     agentloop build-model          build (or find) the cached tiny model and print its directory
     agentloop loops                list registered agent loops (plugins included)
     agentloop config [...]         print the resolved config without running anything
@@ -353,6 +356,20 @@ def make_parser() -> argparse.ArgumentParser:
     ts.add_argument("--host", help="tools.service.host (default 127.0.0.1; another needs AGENTLOOP_TOOLS_TOKEN)")
     ts.add_argument("--port", type=int, help="tools.service.port (default 8200; 0: a free one, printed)")
     ts.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (tools.*)")
+    tk = sub.add_parser("tinker", help="a Tinker-compatible service (docs/tinker.md)")
+    tksub = tk.add_subparsers(dest="tinker", required=True)
+    tks = tksub.add_parser("serve", help="the tinker SDK's training and sampling API on our learner and SGLang")
+    tks.add_argument("--model", default="tiny", help="tiny (default), a local HF directory, or a model shape "
+                                                       "(e.g. qwen2.5-0.5b-shape, random weights)")
+    tks.add_argument("--model-name", help="the base_model name clients use (default: the model's local path)")
+    tks.add_argument("--host", default="127.0.0.1", help="bind address (another than loopback needs "
+                                                          "AGENTLOOP_TINKER_KEY)")
+    tks.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    tks.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="training model and SGLang device")
+    tks.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="training model dtype")
+    tks.add_argument("--run-dir", default="runs/tinker", help="checkpoints (tinker:// paths) and the SGLang log")
+    tks.add_argument("--max-lora-rank", type=int, default=32, help="largest LoRA rank a client may ask for")
+    tks.add_argument("--server-url", help="a running SGLang server (--enable-lora) instead of launching one")
     sub.add_parser("build-model", help="build (once) the tiny model and print its directory")
     tp = sub.add_parser("trace", help="render episode records as a static HTML page (tokens shaded by mask/logprob)")
     tp.add_argument("records", metavar="RECORDS.jsonl")
@@ -516,6 +533,21 @@ def _tools_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tinker_serve(args: argparse.Namespace) -> int:
+    from agentloop.tinker.config import TinkerServiceConfig
+    from agentloop.tinker.server import key_from_env, serve
+    from agentloop.util.runtime import run_async
+
+    cfg = TinkerServiceConfig(model=args.model, model_name=args.model_name, host=args.host, port=args.port,
+                              device=args.device, dtype=args.dtype, run_dir=args.run_dir,
+                              max_lora_rank=args.max_lora_rank, server_url=args.server_url)
+    try:
+        run_async(serve(cfg, key=key_from_env()))
+    except OSError as e:
+        raise ConfigError(f"cannot serve on {cfg.host}:{cfg.port}: {e}") from None
+    return 0
+
+
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")
 
 
@@ -610,6 +642,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return subprocess.call(cmd)
     if args.command == "tools":
         return _tools_serve(args)
+    if args.command == "tinker":
+        return _tinker_serve(args)
     if args.command == "trace":
         from agentloop.report.trace_html import write_trace_html
 

@@ -42,10 +42,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # --no-cache-dir: a wheel cache would hold a second copy of several GB of wheels.
 .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
-.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev,ray,verl-parity,envs]"
+.venv/bin/python -m pip install -q --no-cache-dir -e ".[sglang,dev,ray,verl-parity,envs,tinker]"
 # verl 0.9.1 for tests/unit/train/test_verl_parity.py (its own functions against ours): without its dependencies,
 # whose pins would fight sglang's; the verl-parity extra above holds the few its imports need
 .venv/bin/python -m pip install -q --no-cache-dir --no-deps "verl==0.9.1"
+# tinker-cookbook for the Tinker service's tests (its recipes run unchanged against `agentloop tinker serve`): without
+# its dependencies, as tml-renderers>=0.4.1 is not on PyPI (only its audio recipes use it); the tinker extra above
+# holds the rest of what it needs
+.venv/bin/python -m pip install -q --no-cache-dir --no-deps "tinker-cookbook==0.6.1"
 .venv/bin/python -c "import sglang, torch, ray, agentloop; print('agentloop', agentloop.__version__, '| sglang', sglang.__version__, '| torch', torch.__version__, '| ray', ray.__version__)"
 .venv/bin/python -c "import reasoning_gym, textarena, openenv; print('envs: reasoning-gym', reasoning_gym.__version__, '| textarena, openenv-core importable')"
 .venv/bin/python -W ignore -c "import verl.trainer.ppo.ray_trainer, verl.workers.utils.losses, verl; print('verl', verl.__version__, '(for the parity tests)')"

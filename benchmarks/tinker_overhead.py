@@ -1,0 +1,134 @@
+"""The Tinker service's overhead: a forward_backward + optim_step round trip through the tinker SDK (HTTP,
+protobuf, futures, the service's queue) against the same calls on the backend directly, same batch, same model
+shape, side by side in one run (alternating rounds, so load on the machine hits both alike).
+
+    python benchmarks/tinker_overhead.py --model tiny --device cpu --out benchmarks/results_tinker
+    python benchmarks/tinker_overhead.py --model qwen2.5-0.5b-shape --device cuda --out DIR   (random weights)
+
+Needs the tinker SDK (`agentloop[tinker]`). No SGLang server: only training calls are timed. Prints the medians
+and the ratio (sdk / direct); writes tinker_overhead_<model>_<device>.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="tiny, a model shape (qwen2.5-0.5b-shape) or a local HF dir")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds of each (after 2 warm-up rounds each)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per forward_backward")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    ap.add_argument("--out", default="benchmarks/results_tinker", help="directory of the JSON result")
+    args = ap.parse_args()
+
+    import numpy as np
+    import tinker
+    from aiohttp import web
+    from tinker import types
+
+    from agentloop.tinker.backend import ModelSpec, TrainingModel
+    from agentloop.tinker.config import TinkerServiceConfig
+    from agentloop.tinker.server import TinkerService, resolve_model_path
+    from agentloop.tinker.wire import Datum, FwdBwdRequest
+
+    model_path = resolve_model_path(args.model)
+    cfg = TinkerServiceConfig(model=str(model_path), device=args.device, dtype=args.dtype, port=0,
+                              run_dir=str(Path(args.out) / "run"), max_lora_rank=max(32, args.rank))
+    service = TinkerService(cfg, sampler=None, model_path=model_path)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict = {}
+
+    async def up() -> None:
+        runner = web.AppRunner(service.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        holder["runner"], holder["port"] = runner, runner.addresses[0][1]
+        started.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(up()), loop.run_forever()), daemon=True)
+    thread.start()
+    if not started.wait(120):
+        raise SystemExit("the service did not start in 120 s")
+    os.environ.setdefault("TINKER_API_KEY", "tml-local")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+    rng = np.random.default_rng(0)
+    vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    seqs = [rng.integers(3, vocab, args.seq_len + 1).tolist() for _ in range(args.batch)]
+    sdk_batch = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                             loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * args.seq_len}) for s in seqs]
+    direct_req = FwdBwdRequest(model_id="direct", seq_id=0, loss_fn="cross_entropy", data=[
+        Datum(tokens=s[:-1], inputs={"target_tokens": np.asarray(s[1:]), "weights": np.ones(args.seq_len, np.float32)})
+        for s in seqs])
+    adam = types.AdamParams(learning_rate=1e-5)
+
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{holder['port']}")
+    tc = sc.create_lora_training_client(base_model=str(model_path), rank=args.rank)
+    # built on the service's training thread too: transformers' from_pretrained keeps global init state (its
+    # meta-device context), so two threads loading at once broke one of the loads
+    direct = service.pool.submit(TrainingModel, ModelSpec(base_model=str(model_path), model_path=str(model_path),
+                                                          lora_rank=args.rank, lora_alpha=cfg.lora_alpha),
+                                 args.device, args.dtype).result()
+
+    def sync() -> None:
+        if args.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def sdk_round() -> float:
+        t0 = time.perf_counter()
+        fb = tc.forward_backward(sdk_batch, "cross_entropy")
+        op = tc.optim_step(adam)
+        fb.result()
+        op.result()
+        return time.perf_counter() - t0
+
+    def direct_round() -> float:
+        t0 = time.perf_counter()
+        direct.forward_backward(direct_req)
+        direct.optim_step(adam)
+        sync()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        sdk_round()
+        direct_round()
+    sdk_t, direct_t = [], []
+    for _ in range(args.rounds):
+        sdk_t.append(sdk_round())
+        direct_t.append(direct_round())
+    sdk_m, direct_m = statistics.median(sdk_t), statistics.median(direct_t)
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "batch": args.batch,
+              "seq_len": args.seq_len, "lora_rank": args.rank, "rounds": args.rounds,
+              "sdk_round_s": sdk_t, "direct_round_s": direct_t, "sdk_median_s": sdk_m, "direct_median_s": direct_m,
+              "ratio": sdk_m / direct_m, "overhead_pct": 100 * (sdk_m / direct_m - 1)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"tinker_overhead_{args.model.replace('/', '_')}_{args.device}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"forward_backward+optim_step round trip, {args.model} on {args.device}, batch {args.batch}x{args.seq_len}, "
+          f"LoRA r{args.rank}: through the SDK {sdk_m * 1000:.1f} ms, direct {direct_m * 1000:.1f} ms, ratio "
+          f"{sdk_m / direct_m:.3f} ({result['overhead_pct']:+.1f}%) -> {path}")
+    sc.close("success")
+    asyncio.run_coroutine_threadsafe(service.close(), loop).result(60)
+    asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(60)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+if __name__ == "__main__":
+    main()
