@@ -25,6 +25,12 @@ if [ -f .gpu-stage/site.tar.xz ]; then
     echo "staged .gpu-stage into /tmp/site in $(( $(date +%s) - t0 )) s"
   fi
   export PYTHONPATH=/tmp/site:$PWD/.gpu-stage/shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # the tinker SDK and what it needs beyond the machine's own packages: last on the path, so the machine's win
+  if [ -f .gpu-stage/tinker.tar.xz ] && [ ! -f /tmp/site-tinker/.agentloop-staged ]; then
+    mkdir -p /tmp/site-tinker && xz -d -T0 < .gpu-stage/tinker.tar.xz | tar xf - -C /tmp/site-tinker \
+      && touch /tmp/site-tinker/.agentloop-staged
+  fi
+  [ -d /tmp/site-tinker ] && export PYTHONPATH=$PYTHONPATH:/tmp/site-tinker
   python3 -c "import torch, sglang; print('sglang', sglang.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
     || { echo "the staged SGLang does not import"; exit 1; }
 elif ! python3 -c "import sglang" 2>/dev/null; then

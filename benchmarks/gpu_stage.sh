@@ -2,6 +2,7 @@
 # Stage what the GPU acceptance needs on a GPU machine without a package index, small enough to travel with the
 # working tree in one call (the device carries 64 MiB in all; the tree is ~11 MB): `.gpu-stage/`, ignored by git,
 #   site.tar.xz   the offline SGLang bundle (../shared/sglang-gpu/wheels, unpacked, xz: 49 -> ~31 MB) and its shim
+#   tinker.tar.xz the tinker SDK (benchmarks/tinker_overhead.py) with the dependencies a GPU torch stack lacks
 #   ray.tar.xz    Ray 2.60 for python 3.12 without what a run never loads (jars, dashboard client, RLlib, Data, Serve,
 #                 Train, Tune, LLM) and with its three native binaries stripped (79 -> ~18 MB), plus msgpack
 # Run once here (a few minutes: xz -9); then every device call carries [".gpu-stage"], and benchmarks/gpu_env.sh
@@ -30,5 +31,24 @@ if [ ! -f "$STAGE/ray.tar.xz" ]; then
   strip --strip-unneeded "$tmp/ray/ray/_raylet.so" "$tmp/ray/ray/core/src/ray/gcs/gcs_server" \
       "$tmp/ray/ray/core/src/ray/raylet/raylet"
   tar cf - -C "$tmp/ray" . | xz -9 -T0 > "$STAGE/ray.tar.xz"
+fi
+if [ ! -f "$STAGE/tinker.tar.xz" ]; then
+  # the tinker SDK for benchmarks/tinker_overhead.py, with only the dependencies a GPU machine's torch stack lacks
+  # (gpu_env.sh puts them last on the path); the cffi backend and pygments dropped, the native parts stripped
+  PY=${PYTHON:-.venv/bin/python}
+  "$PY" -m pip download -q --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$tmp/twhl" tinker==0.38.0
+  mkdir -p "$tmp/tinker"
+  for w in "$tmp"/twhl/*.whl; do
+    case $(basename "$w" | sed 's/-[0-9].*//') in
+      numpy|pydantic|pydantic_core|transformers|tokenizers|huggingface_hub|hf_xet|safetensors|fsspec|filelock|regex|\
+pyyaml|tqdm|typer|shellingham|packaging|typing_extensions|typing_inspection|annotated_doc|annotated_types|pygments)
+        continue ;;
+    esac
+    unzip -q -o "$w" -d "$tmp/tinker"
+  done
+  rm -f "$tmp"/tinker/zstandard/_cffi.*.so "$tmp/tinker/zstandard/backend_cffi.py"
+  strip --strip-unneeded "$tmp"/tinker/pyqwest/_pyqwest.abi3.so "$tmp"/tinker/zstandard/backend_c.*.so
+  tar cf - -C "$tmp/tinker" . | xz -9 -T0 > "$STAGE/tinker.tar.xz"
 fi
 du -sh "$STAGE"/*
