@@ -78,6 +78,7 @@ def main() -> None:
 
     sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{holder['port']}")
     tc = sc.create_lora_training_client(base_model=str(model_path), rank=args.rank)
+    tc = tc.result() if callable(getattr(tc, "result", None)) else tc  # SDK 0.38 hands back a future of it
     # built on the service's training thread too: transformers' from_pretrained keeps global init state (its
     # meta-device context), so two threads loading at once broke one of the loads
     direct = service.pool.submit(TrainingModel, ModelSpec(base_model=str(model_path), model_path=str(model_path),
