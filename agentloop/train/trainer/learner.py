@@ -640,22 +640,33 @@ class Learner:
         directory at `path` (adapter_config.json + adapter_model.safetensors in the compute dtype), atomically."""
         import torch.distributed as dist
 
-        from agentloop.train.lora import is_lora_key, save_adapter
+        from agentloop.train.lora import save_adapter
 
         if self.lora is None:
             raise ValueError("save_adapter: this learner trains full weights (learner.lora.enabled is false)")
+        state = self.adapter_tensors(on_device=False)
+        path = Path(path)
+        if self.rank == 0:
+            save_adapter(path, state, self.lora, dtype=self.compute_dtype, base_model=str(self.model_path))
+        dist.barrier()
+        return path
+
+    def adapter_tensors(self, *, on_device: bool) -> dict[str, Any]:
+        """Collective (LoRA only): the full adapter tensors under our names (`...q_proj.lora_A.weight`) on rank 0,
+        {} on the others; `on_device`: left on the learner's device in the compute dtype (what weight_sync=tensor
+        hands over), else on the CPU as trained."""
+        from agentloop.train.lora import is_lora_key
+
+        if self.lora is None:
+            raise ValueError("adapter_tensors: this learner trains full weights (learner.lora.enabled is false)")
         state = {}
         for name, p in self.model.named_parameters():  # the same order on every rank: the gathers pair up
             if is_lora_key(name):
                 t = p.detach()
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t
                 if self.rank == 0:
-                    state[name] = t.cpu()
-        path = Path(path)
-        if self.rank == 0:
-            save_adapter(path, state, self.lora, dtype=self.compute_dtype, base_model=str(self.model_path))
-        dist.barrier()
-        return path
+                    state[name] = t.to(self.compute_dtype).contiguous() if on_device else t.cpu()
+        return state
 
     def save_hf(self, path: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
         """Collective: gather full weights to rank 0 and write an HF directory at `path`.
