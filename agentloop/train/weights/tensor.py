@@ -9,7 +9,7 @@ Map:
     serialize_cuda_bucket  one flattened bucket as SGLang's deserializer reads it
     TensorSync             the path (`push`), registered as "tensor"; with learner.lora `push_adapter`:
                            the adapter's tensors -> /load_lora_adapter_from_tensors as adapter agentloop-vN
-    serialize_adapter      the adapter's tensors as that endpoint reads them (CUDA: IPC handles; CPU: by value)
+    serialize_adapter      the adapter as that endpoint reads it: one flattened bucket (CUDA: IPC; CPU: by value)
 
 Checked against SGLang 0.5.17 / 0.5.23: request fields in `sglang/srt/managers/io_struct.py`; the
 payload is unpickled by `MultiprocessingSerializer.deserialize` with a restricted unpickler
@@ -29,11 +29,13 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from agentloop.train.weights.sync import (
+    ParamMeta,
     Published,
     WeightSync,
     WeightSyncError,
     _gather_calls,
     bucket_metadata,
+    flatten_bucket,
     param_metas,
     plan_buckets,
     post_json,
@@ -150,11 +152,12 @@ class TensorSync(WeightSync):
             if u not in self._tp:
                 self._tp[u] = server_tp_size(u, self.timeout_s)
         t = time.perf_counter()
-        payload = serialize_adapter(peft)
+        payload, flat = serialize_adapter(peft)
         t_ser = time.perf_counter() - t
 
         def load(u: str) -> None:
-            body = {"lora_name": name, "config_dict": conf, "serialized_named_tensors": [payload] * self._tp[u]}
+            body = {"lora_name": name, "config_dict": conf, "serialized_named_tensors": [payload] * self._tp[u],
+                    "load_format": "flattened_bucket"}
             try:
                 post_json(u, "/load_lora_adapter_from_tensors", body, self.timeout_s)
             except WeightSyncError as e:
@@ -169,7 +172,7 @@ class TensorSync(WeightSync):
         t = time.perf_counter()
         with ThreadPoolExecutor(max(1, len(urls))) as pool:
             _gather_calls(pool, [pool.submit(load, u) for u in urls], self.timeout_s)
-        del tensors, peft  # the servers copied the adapter out (to their host memory) before answering
+        del tensors, peft, flat  # the servers copied the adapter out (to their host memory) before answering
         return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s, "sync/serialize_s": t_ser,
                 "sync/send_s": time.perf_counter() - t, "sync/adapter_mb": len(payload) / 2**20}
 
@@ -204,14 +207,21 @@ class TensorSync(WeightSync):
                 "sync/buckets": float(len(buckets))}
 
 
-def serialize_adapter(tensors: dict[str, Any]) -> str:
-    """{PEFT name: tensor} as /load_lora_adapter_from_tensors reads it (SGLang's MultiprocessingSerializer,
-    base64): CUDA tensors as IPC handles (the server copies them to its host memory, LoRAAdapter keeps
-    adapters there), CPU tensors by value (a plain pickle: a CPU tensor's shared-memory handle is a file
-    descriptor the server cannot open)."""
-    if any(getattr(t, "is_cuda", False) for t in tensors.values()):
-        return base64.b64encode(_share_pickle(tensors)).decode()
-    return base64.b64encode(pickle.dumps({k: v.contiguous() for k, v in tensors.items()})).decode()
+def serialize_adapter(tensors: dict[str, Any]) -> tuple[str, Any]:
+    """{PEFT name: tensor} as /load_lora_adapter_from_tensors reads it with `load_format: flattened_bucket` (SGLang's
+    MultiprocessingSerializer, base64): the tensors' bytes back to back in one uint8 tensor plus each one's byte
+    range, so a GPU learner hands over one CUDA IPC handle (the server copies the adapter to its host memory,
+    where LoRAAdapter keeps adapters); a CPU learner's bucket goes by value (a plain pickle: a CPU tensor's
+    shared-memory handle is a file descriptor the server cannot open). Returns (payload, the flat tensor): keep the
+    tensor alive until the servers answered (they read it through the IPC handle)."""
+    names = list(tensors)
+    metas = [ParamMeta(n, tuple(int(x) for x in tensors[n].shape), str(tensors[n].dtype).removeprefix("torch."))
+             for n in names]
+    flat = flatten_bucket([tensors[n].contiguous() for n in names])
+    meta = bucket_metadata(metas)
+    if flat.is_cuda:
+        return serialize_cuda_bucket(flat, meta), flat
+    return base64.b64encode(pickle.dumps({"flattened_tensor": flat, "metadata": meta})).decode(), flat
 
 
 __all__ = ["TensorSync", "serialize_adapter", "serialize_cuda_bucket", "tensor_payload"]

@@ -213,8 +213,9 @@ def test_a_16_bit_base_merges_in_float32_when_asked_so_the_merged_model_is_the_s
 
 
 def test_a_cpu_adapter_serializes_by_value_as_sglangs_safe_unpickler_reads_it():
-    """weight_sync=tensor with a CPU learner: the adapter's tensors travel by value (a shared-memory handle of a CPU
-    tensor is a file descriptor the server cannot open); SGLang's restricted unpickler gives them back bit for bit."""
+    """weight_sync=tensor with a CPU learner: the adapter travels as one flattened bucket by value (a shared-memory
+    handle of a CPU tensor is a file descriptor the server cannot open); SGLang's restricted unpickler and its
+    bucket reader give every tensor back bit for bit, in its dtype."""
     pytest.importorskip("sglang")
     from sglang.srt.utils.common import MultiprocessingSerializer
 
@@ -222,5 +223,11 @@ def test_a_cpu_adapter_serializes_by_value_as_sglangs_safe_unpickler_reads_it():
 
     t = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 4).to(torch.bfloat16)}
-    back = MultiprocessingSerializer.deserialize(serialize_adapter(t))
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    payload, flat = serialize_adapter(t)
+    data = MultiprocessingSerializer.deserialize(payload)  # as the server's TP worker reads flattened_bucket
+    back = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                      metadata=data["metadata"]).reconstruct_tensors())
     assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
+    assert flat.dtype == torch.uint8 and flat.numel() == 4 * 8 * 4 + 8 * 4 * 2
