@@ -5,9 +5,12 @@ Usage: python benchmarks/lora_bench.py --model DIR --server-url URL --out OUT.js
        [--sequences 16] [--prompt-tokens 128] [--response-tokens 384]
 The server must serve LoRA (--enable-lora --max-lora-rank >= rank --lora-target-modules ...: agentloop.train.lora.
 server_args). Full weights: Learner.save_hf (weight_sync disk's save) + /update_weights_from_disk; LoRA (rank r,
-alpha 2r, every attention and MLP projection): Learner.save_adapter + /load_lora_adapter. Each mode runs one warmup
-step and two timed ones on the same synthetic GRPO batch, then three pushes (the median is reported); the server
-gets its original weights back at the end. Used by benchmarks/gpu_acceptance.py's row lora-0.5b.
+alpha 2r, every attention and MLP projection): Learner.save_adapter + /load_lora_adapter. Then weight_sync=tensor's
+push, what a step's time/sync_s holds besides the pause: LoRA, TensorSync.push_adapter (the adapter's tensors to
+/load_lora_adapter_from_tensors + /update_weight_version; CUDA IPC handles, by value on the CPU); full weights,
+TensorSync.push (CUDA only). Each mode runs one warmup step and two timed ones on the same synthetic GRPO batch,
+then three pushes of each kind (the median is reported); the server gets its original weights back at the end.
+Used by benchmarks/gpu_acceptance.py's row lora-0.5b.
 """
 
 from __future__ import annotations
@@ -86,13 +89,36 @@ def run_mode(mode: str, a: argparse.Namespace, work: Path) -> dict:
             if mode == "lora":
                 _post(a.server_url, "/unload_lora_adapter", {"lora_name": adapter_name(1000 + i)})
         size = sum(f.stat().st_size for f in (work / f"{mode}-0").iterdir() if f.is_file())
+        tensor = _tensor_pushes(mode, a, learner)
     finally:
         learner.close()
     if mode == "full":
         _post(a.server_url, "/update_weights_from_disk", {"model_path": str(a.model)})
     save, load = statistics.median(saves), statistics.median(loads)
     return {"peak_memory_gib": peak, "step_s": step_s, "trainable_params": trainable, "push_bytes": size,
-            "save_s": save, "load_s": load, "push_s": save + load}
+            "save_s": save, "load_s": load, "push_s": save + load, "tensor_push_s": tensor}
+
+
+def _tensor_pushes(mode: str, a: argparse.Namespace, learner) -> float | None:
+    """Median seconds of three weight_sync=tensor pushes (None: full weights on the CPU, which that path refuses)."""
+    from agentloop.train.lora import adapter_name
+    from agentloop.train.weights.tensor import TensorSync
+
+    sync = TensorSync(timeout_s=600.0)
+    if mode == "full" and a.device != "cuda":
+        return None
+    times = []
+    for i in range(3):
+        t = time.perf_counter()
+        if mode == "lora":
+            sync.push_adapter(learner, urls=[a.server_url], version=2000 + i)
+        else:
+            sync.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=0,
+                      urls=[a.server_url], version=None)
+        times.append(time.perf_counter() - t)
+        if mode == "lora":
+            _post(a.server_url, "/unload_lora_adapter", {"lora_name": adapter_name(2000 + i)})
+    return statistics.median(times)
 
 
 def main() -> None:

@@ -391,7 +391,9 @@ class LearnerConfig(_Section):
     shared filesystem). tensor: rank 0 passes CUDA IPC handles to /update_weights_from_tensor (servers
     on the learner's host, able to see its GPU). nccl: rank 0 broadcasts to the servers over a NCCL group
     (/init_weights_update_group + /update_weights_from_distributed; servers on any GPU the learner can
-    reach over TCP). tensor and nccl need a GPU learner and push while the orchestrator holds the servers
+    reach over TCP). With learner.lora: disk writes the PEFT adapter directory (/load_lora_adapter), tensor hands
+    the adapter's tensors to /load_lora_adapter_from_tensors (CUDA IPC handles; a CPU learner sends them by
+    value), nccl is refused. tensor and nccl need a GPU learner and push while the orchestrator holds the servers
     paused; they save no HF weights while training, only weights/step-N of the last step at the end
     of the run (like every path) and weights/step-C of the checkpoint a learner resumes from."""
     weight_sync_bucket_mb: float = Field(default=512.0, gt=0)
@@ -429,11 +431,13 @@ class LearnerConfig(_Section):
         if self.ranks is not None and self.ranks % self.nnodes:
             raise ValueError(f"learner.ranks={self.ranks} is not a multiple of learner.nnodes={self.nnodes}: every "
                              "host runs the same number of ranks (learner.ranks counts them all)")
-        if self.lora.enabled and self.weight_sync != "disk":
-            raise ValueError(f"learner.lora.enabled with learner.weight_sync={self.weight_sync!r}: a LoRA step's "
-                             "adapter reaches the servers as an adapter directory (/load_lora_adapter), so only "
-                             "weight_sync=disk is supported with LoRA (the adapter is a few MB)")
-        if self.weight_sync != "disk" and self.device == "cpu":
+        if self.lora.enabled and self.weight_sync == "nccl":
+            raise ValueError("learner.lora.enabled with learner.weight_sync='nccl': SGLang loads an adapter from a "
+                             "directory (/load_lora_adapter) or from tensors handed over on its host "
+                             "(/load_lora_adapter_from_tensors), never over a NCCL group; use weight_sync=tensor "
+                             "(servers on the learner's host) or disk")
+        lora_tensor = self.lora.enabled and self.weight_sync == "tensor"  # a CPU learner's adapter goes by value
+        if self.weight_sync != "disk" and self.device == "cpu" and not lora_tensor:
             raise ValueError(f"weight_sync={self.weight_sync!r} needs a GPU learner (device cuda or auto)")
         return self
 

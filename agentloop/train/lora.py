@@ -198,9 +198,14 @@ def save_adapter(path: str | Path, state: Mapping[str, Any], cfg: Any, *, dtype:
     return path
 
 
-def merge_state(state: Mapping[str, Any], scale: float) -> dict[str, Any]:
+def merge_state(state: Mapping[str, Any], scale: float, dtype: Any = None) -> dict[str, Any]:
     """An HF state dict of the merged model: each wrapped weight W becomes W + scale * B A (computed in float32,
-    cast back to W's dtype), the adapter keys dropped."""
+    cast back to W's dtype, or to `dtype` when given), the adapter keys dropped.
+
+    In a 16-bit dtype the merged weights are rounded: the merged model is then not exactly the policy the servers
+    sample with the adapter (they add the unmerged branch); on the untrained tiny model (bf16 weights) its
+    logprobs moved by up to 2.7e-3, where a float32 merge matches the servers within 1e-6
+    (tests/integration/test_lora_real.py)."""
     import torch
 
     out = {k: v for k, v in state.items() if not is_lora_key(k)}
@@ -211,7 +216,7 @@ def merge_state(state: Mapping[str, Any], scale: float) -> dict[str, Any]:
         a = state[k].float()
         b = state[k.replace(".lora_A.", ".lora_B.")].float()
         w = out[bk]
-        out[bk] = (w.float() + scale * (b @ a)).to(w.dtype) if isinstance(w, torch.Tensor) else w
+        out[bk] = (w.float() + scale * (b @ a)).to(dtype or w.dtype) if isinstance(w, torch.Tensor) else w
     return out
 
 
@@ -229,9 +234,11 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return conf, out
 
 
-def merge_adapter_dir(base: str | Path, adapter: str | Path, out: str | Path) -> Path:
+def merge_adapter_dir(base: str | Path, adapter: str | Path, out: str | Path, *, dtype: Any = None) -> Path:
     """Offline export: the HF directory `base` with the PEFT adapter directory `adapter` merged in, written to
-    `out` (every file of `base` copied, its safetensors rewritten with the merged weights)."""
+    `out` (every file of `base` copied, its safetensors rewritten with the merged weights). `dtype` (a torch
+    dtype): the merged weights' dtype (default: each base weight's own); a 16-bit base merged in its own dtype is
+    rounded (merge_state), torch.float32 keeps the adapter's policy exactly (config.json then says float32)."""
     from safetensors.torch import load_file, save_file
 
     base, out = Path(base), Path(out)
@@ -252,11 +259,18 @@ def merge_adapter_dir(base: str | Path, adapter: str | Path, out: str | Path) ->
         for f in files:
             sd = load_file(str(f))
             part = {k: v for k, v in lora.items() if base_key(k) in sd}
-            merged = merge_state({**sd, **part}, scale)
+            merged = merge_state({**sd, **part}, scale, dtype)
+            if dtype is not None:
+                merged = {k: v.to(dtype) for k, v in merged.items()}
             todo -= {base_key(k) for k in part}
             save_file(merged, str(tmp / f.name), metadata={"format": "pt"})
         if todo:
             raise ValueError(f"{adapter} adapts {sorted(todo)[:3]}..., which {base} has no weight for")
+        if dtype is not None and (tmp / "config.json").is_file():
+            hf = json.loads((tmp / "config.json").read_text())
+            name = str(dtype).removeprefix("torch.")
+            hf.update({k: name for k in ("dtype", "torch_dtype") if k in hf} or {"dtype": name})
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -21,10 +21,10 @@ def shard_rows(n: int, world: int, rank: int) -> int:
     return max(0, min(c, n - rank * c))
 
 
-def gather_to_rank0(named: Sequence[tuple[str, Any]], rank: int) -> dict[str, Any]:
-    """Collective over the tensors' mesh: `{name: full tensor on the CPU}` on rank 0 ({} elsewhere). Tensors that
-    are not DTensors sharded on dim 0 over one mesh dimension are gathered one by one (`full_tensor`), plain
-    tensors copied; every rank must pass the same names in the same order."""
+def gather_to_rank0(named: Sequence[tuple[str, Any]], rank: int, *, on_device: bool = False) -> dict[str, Any]:
+    """Collective over the tensors' mesh: `{name: full tensor on the CPU}` on rank 0 ({} elsewhere); `on_device`:
+    left on the tensors' device instead. Tensors that are not DTensors sharded on dim 0 over one mesh dimension are
+    gathered one by one (`full_tensor`), plain tensors copied; every rank passes the same names in the same order."""
     import torch
     import torch.distributed as dist
 
@@ -42,7 +42,7 @@ def gather_to_rank0(named: Sequence[tuple[str, Any]], rank: int) -> dict[str, An
         else:
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if rank == 0:
-                out[name] = full.cpu()
+                out[name] = full if on_device else full.cpu()
     for (dtype, mesh), items in packed.items():
         world = mesh.size()
         group = mesh.get_group()
@@ -60,7 +60,7 @@ def gather_to_rank0(named: Sequence[tuple[str, Any]], rank: int) -> dict[str, An
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, buf, group=group)
         if rank != 0:
             continue
-        host = gathered.view(world, -1).cpu()
+        host = gathered.view(world, -1) if on_device else gathered.view(world, -1).cpu()
         off = 0
         for (name, t), size in zip(items, sizes):
             n, tail = t.shape[0], tuple(t.shape[1:])

@@ -640,18 +640,30 @@ class Learner:
         directory at `path` (adapter_config.json + adapter_model.safetensors in the compute dtype), atomically."""
         import torch.distributed as dist
 
-        from agentloop.train.lora import is_lora_key, save_adapter
-        from agentloop.train.trainer.gather import gather_to_rank0
+        from agentloop.train.lora import save_adapter
 
         if self.lora is None:
             raise ValueError("save_adapter: this learner trains full weights (learner.lora.enabled is false)")
-        # the same order on every rank; one collective for all of them (one per tensor cost 1.6 s at 0.5B, rank 32)
-        state = gather_to_rank0([(n, p) for n, p in self.model.named_parameters() if is_lora_key(n)], self.rank)
+        state = self.adapter_tensors(on_device=False)
         path = Path(path)
         if self.rank == 0:
             save_adapter(path, state, self.lora, dtype=self.compute_dtype, base_model=str(self.model_path))
         dist.barrier()
         return path
+
+    def adapter_tensors(self, *, on_device: bool) -> dict[str, Any]:
+        """Collective (LoRA only): the full adapter tensors under our names (`...q_proj.lora_A.weight`) on rank 0,
+        {} on the others; `on_device`: left on the learner's device in the compute dtype (what weight_sync=tensor
+        hands over), else on the CPU as trained."""
+        from agentloop.train.lora import is_lora_key
+        from agentloop.train.trainer.gather import gather_to_rank0
+
+        if self.lora is None:
+            raise ValueError("adapter_tensors: this learner trains full weights (learner.lora.enabled is false)")
+        # the same order on every rank; one collective for all of them (one per tensor cost 1.6 s at 0.5B, rank 32)
+        state = gather_to_rank0([(n, p) for n, p in self.model.named_parameters() if is_lora_key(n)], self.rank,
+                                on_device=on_device)
+        return {k: v.to(self.compute_dtype).contiguous() for k, v in state.items()} if on_device else state
 
     def save_hf(self, path: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
         """Collective: gather full weights to rank 0 and write an HF directory at `path`.

@@ -1,11 +1,17 @@
-"""The server half of LoRA training (learner.lora.enabled, weight_sync disk): each step's adapter directory is
-loaded into the servers as a versioned adapter, beside the ones in use.
+"""The server half of LoRA training (learner.lora.enabled): each step's adapter is loaded into the servers as a
+versioned adapter, beside the ones in use.
 
+weight_sync disk:
     learner half: DiskSync.publish -> Learner.save_served: weights/step-N is a PEFT adapter directory (a few MB)
     server half:  LoraHalf.load: pause (the interrupt mode's), POST /load_lora_adapter {"lora_name": "agentloop-vN",
                   "lora_path": weights/step-N} and /update_weight_version {"new_version": "N"} on every reachable
                   server, the servers marked as serving N, resume; then the previous adapter is unloaded in the
                   background (SGLang waits for the requests still using it)
+weight_sync tensor (no file written while training):
+    learner half: TensorSync.push_adapter: /load_lora_adapter_from_tensors + /update_weight_version, while
+    server half:  LoraHalf.deliver (a SyncRequest) holds the servers paused, as PushHalf does; then the same
+                  background unload. A server that comes back stale waits for the next push (no directory to
+                  reload), except version 0 (the base: no adapter); a resumed run reloads weights/step-C from disk.
 
 Which adapter a request uses: the data plane names its server's version's adapter in every /generate (`lora_path`,
 agentloop.client.data_plane; version 0 is the base model, which a fresh adapter equals), and every token of the
@@ -25,13 +31,13 @@ import time
 from typing import Any
 
 from agentloop.errors import RequestError
-from agentloop.train.handle.protocol import SyncRequest, UpdateResult, WeightsOnDisk
+from agentloop.train.handle.protocol import PushOrder, SyncRequest, UpdateResult, WeightsOnDisk
 from agentloop.train.lora import adapter_name, server_args
 from agentloop.train.weights.servers import ServerHalf, TransportError
 
 
 class LoraHalf(ServerHalf):
-    """weight_sync disk with learner.lora: adapters, not weights, go to the servers (module doc)."""
+    """learner.lora (weight_sync disk or tensor): adapters, not weights, go to the servers (module doc)."""
 
     name = "lora"
 
@@ -45,9 +51,14 @@ class LoraHalf(ServerHalf):
         s = self.sm.state
         body = {"lora_name": adapter_name(version), "lora_path": path}
         try:
-            out = await s.admin_post(url, "/load_lora_adapter", body)
-            if isinstance(out, dict) and out.get("success") is False and "already" in str(out.get("error_message")):
-                # a resumed run on the same servers: the name is taken by an older load of this version
+            try:
+                out = await s.admin_post(url, "/load_lora_adapter", body)
+            except RequestError as e:  # SGLang 0.5.23 answers a taken name with HTTP 400
+                out = {"success": False, "error_message": str(e)}
+            taken = isinstance(out, dict) and "already loaded" in str(out.get("error_message"))
+            if taken and out.get("success") is False:
+                # the name is taken by an older load of this version: a resumed run's, or an earlier run's on the
+                # same servers (a killed run cannot unload its adapters)
                 await s.admin_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(version)})
                 out = await s.admin_post(url, "/load_lora_adapter", body)
         except RequestError as e:
@@ -105,18 +116,43 @@ class LoraHalf(ServerHalf):
         version = self.sm.expected_version
         if version is None:
             raise TransportError("no version to resync a server to")
-        if self.current is None or version == 0:
+        if version == 0:  # the base model: no adapter to load
             await self.sm.state.admin_post(url, "/update_weight_version", {"new_version": str(version),
                                                                            "abort_all_requests": False})
             return
+        if self.current is None:
+            raise TransportError(f"no adapter directory of version {version} to resync {url} with (weight_sync "
+                                 "tensor: it stays out until the next push)")
         paths = await self._paths(self.current)
         await self._load_one(url, paths[url.rstrip("/")], version)
 
     async def deliver(self, step: int, event: UpdateResult | SyncRequest,
                       timeout_s: float) -> tuple[UpdateResult, float]:
-        if not isinstance(event, UpdateResult) or event.weights is None:
-            raise TransportError(f"step {step}: LoRA training expects the learner's adapter on disk, got {event}")
+        if isinstance(event, SyncRequest):  # weight_sync tensor: the learner loads the adapter itself
+            return await self._pushed(step, timeout_s)
+        if event.weights is None:
+            raise TransportError(f"step {step}: LoRA training expects the learner's adapter on disk or a request "
+                                 f"for paused servers (weight_sync tensor), got {event}")
         return event, await self.load(event.weights, step)
+
+    async def _pushed(self, step: int, timeout_s: float) -> tuple[UpdateResult, float]:
+        """weight_sync tensor: pause, let the learner load adapter `step` into the reachable servers, resume."""
+        t1 = time.monotonic()
+        await self.sm.pause(mode=self.policy.pause_mode)
+        try:
+            targets = await self.sm.reachable_targets()
+            await self.learner.allow_sync(step, PushOrder(step, tuple(targets), self.policy.mode))
+            upd = await self.learner.wait_update(step, timeout_s)
+            await self.sm.finish_update(self.policy, targets)
+        finally:
+            await self.sm.resume()
+        self.sm.mark_updated(step, targets)
+        self.sm.expect_version(step)
+        self.current = None  # no directory holds this adapter: a stale server waits for the next push
+        for u in targets:
+            self.loaded.setdefault(u, set()).add(step)
+            self.sm.state.spawn(self._unload_older(u, step), name=f"unload-adapters-{u}")
+        return upd, time.monotonic() - t1
 
 
 def lora_server_args(cfg: Any, device: str) -> list[str]:

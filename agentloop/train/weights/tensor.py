@@ -7,7 +7,9 @@ peer); nothing is copied through the host. The server half is agentloop.train.we
 Map:
     tensor_payload         the JSON body of /update_weights_from_tensor (pure)
     serialize_cuda_bucket  one flattened bucket as SGLang's deserializer reads it
-    TensorSync             the path (`push`), registered as "tensor"
+    TensorSync             the path (`push`), registered as "tensor"; with learner.lora `push_adapter`:
+                           the adapter's tensors -> /load_lora_adapter_from_tensors as adapter agentloop-vN
+    serialize_adapter      the adapter as that endpoint reads it: one flattened bucket (CUDA: IPC; CPU: by value)
 
 Checked against SGLang 0.5.17 / 0.5.23: request fields in `sglang/srt/managers/io_struct.py`; the
 payload is unpickled by `MultiprocessingSerializer.deserialize` with a restricted unpickler
@@ -20,16 +22,20 @@ from __future__ import annotations
 
 import base64
 import io
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, Sequence
 
 from agentloop.train.weights.sync import (
+    ParamMeta,
+    Published,
     WeightSync,
     WeightSyncError,
     _gather_calls,
     bucket_metadata,
+    flatten_bucket,
     param_metas,
     plan_buckets,
     post_json,
@@ -110,6 +116,66 @@ class TensorSync(WeightSync):
         super().__init__(**kw)
         self._tp: dict[str, int] = {}
 
+    def check(self, learner: Any) -> None:
+        if getattr(learner, "lora", None) is not None:
+            return  # an adapter goes by CUDA IPC from a GPU learner, by value from a CPU one (serialize_adapter)
+        super().check(learner)
+
+    def publish(self, learner: Any, step: int, weights_dir: Any, ask: Any) -> Published:
+        if getattr(learner, "lora", None) is None:
+            return super().publish(learner, step, weights_dir, ask)
+        order = ask(step, self.name)
+        t = time.perf_counter()
+        metrics = self.push_adapter(learner, urls=list(order.urls), version=step)
+        metrics["time/sync_s"] = time.perf_counter() - t
+        return Published(weights_dir=None, pushed=True, metrics=metrics)
+
+    def push_adapter(self, learner: Any, *, urls: Sequence[str], version: int) -> dict[str, float]:
+        """Collective (LoRA): gather the adapter on rank 0 and load it into `urls` as adapter `agentloop-v<version>`
+        (/load_lora_adapter_from_tensors, no file written), then label them `version` (/update_weight_version). The
+        orchestrator holds the servers paused and unloads the older adapters afterwards (LoraHalf)."""
+        from agentloop.train.lora import adapter_config, adapter_name, adapter_state
+
+        t0 = time.perf_counter()
+        tensors = learner.adapter_tensors(on_device=learner.device_type == "cuda")
+        gather_s = time.perf_counter() - t0
+        if learner.rank != 0:
+            return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s}
+        if learner.device_type == "cuda":
+            import torch
+
+            torch.cuda.current_stream().synchronize()  # the server reads through IPC, unordered with our stream
+        peft = adapter_state(tensors)
+        conf = adapter_config(learner.lora, str(learner.model_path))
+        name = adapter_name(version)
+        for u in urls:
+            if u not in self._tp:
+                self._tp[u] = server_tp_size(u, self.timeout_s)
+        t = time.perf_counter()
+        payload, flat = serialize_adapter(peft)
+        t_ser = time.perf_counter() - t
+
+        def load(u: str) -> None:
+            body = {"lora_name": name, "config_dict": conf, "serialized_named_tensors": [payload] * self._tp[u],
+                    "load_format": "flattened_bucket"}
+            try:
+                post_json(u, "/load_lora_adapter_from_tensors", body, self.timeout_s)
+            except WeightSyncError as e:
+                if "already" not in str(e):
+                    raise
+                # a resumed run on the same servers: the name is taken by an older load of this version
+                post_json(u, "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
+                post_json(u, "/load_lora_adapter_from_tensors", body, self.timeout_s)
+            post_json(u, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+                      self.timeout_s)
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(max(1, len(urls))) as pool:
+            _gather_calls(pool, [pool.submit(load, u) for u in urls], self.timeout_s)
+        del tensors, peft, flat  # the servers copied the adapter out (to their host memory) before answering
+        return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s, "sync/serialize_s": t_ser,
+                "sync/send_s": time.perf_counter() - t, "sync/adapter_mb": len(payload) / 2**20}
+
     def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
              version: str | None, flush_cache: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -141,4 +207,21 @@ class TensorSync(WeightSync):
                 "sync/buckets": float(len(buckets))}
 
 
-__all__ = ["TensorSync", "serialize_cuda_bucket", "tensor_payload"]
+def serialize_adapter(tensors: dict[str, Any]) -> tuple[str, Any]:
+    """{PEFT name: tensor} as /load_lora_adapter_from_tensors reads it with `load_format: flattened_bucket` (SGLang's
+    MultiprocessingSerializer, base64): the tensors' bytes back to back in one uint8 tensor plus each one's byte
+    range, so a GPU learner hands over one CUDA IPC handle (the server copies the adapter to its host memory,
+    where LoRAAdapter keeps adapters); a CPU learner's bucket goes by value (a plain pickle: a CPU tensor's
+    shared-memory handle is a file descriptor the server cannot open). Returns (payload, the flat tensor): keep the
+    tensor alive until the servers answered (they read it through the IPC handle)."""
+    names = list(tensors)
+    metas = [ParamMeta(n, tuple(int(x) for x in tensors[n].shape), str(tensors[n].dtype).removeprefix("torch."))
+             for n in names]
+    flat = flatten_bucket([tensors[n].contiguous() for n in names])
+    meta = bucket_metadata(metas)
+    if flat.is_cuda:
+        return serialize_cuda_bucket(flat, meta), flat
+    return base64.b64encode(pickle.dumps({"flattened_tensor": flat, "metadata": meta})).decode(), flat
+
+
+__all__ = ["TensorSync", "serialize_adapter", "serialize_cuda_bucket", "tensor_payload"]

@@ -54,3 +54,35 @@ def test_requests_name_their_adapter_and_tokens_carry_its_version(mode):
         assert out.token_versions == [2] * k + [3] * (40 - k) and reqs[2]["lora_path"] == "agentloop-v3"
     else:  # retract, in_place: SGLang kept the request on adapter 2: every token is 2's, whatever the spans said
         assert len(reqs) == 2 and out.token_versions == [2] * 40 and out.weight_version == "2"
+
+
+def test_an_adapter_name_an_earlier_load_left_taken_is_unloaded_and_loaded_again():
+    """A server keeps the adapters of a killed (or finished) run under their names; loading version v again (a
+    resumed run, a new run on the same servers) is answered HTTP 400 "already loaded" by SGLang 0.5.23: the stale
+    adapter is unloaded and the new one loaded, not the step failed."""
+    from types import SimpleNamespace
+
+    from agentloop.errors import FatalRequestError
+    from agentloop.train.weights.lora_servers import LoraHalf
+
+    calls: list[tuple[str, dict]] = []
+    taken = {"agentloop-v3"}
+
+    async def admin_post(url, path, body, **kw):
+        calls.append((path, body))
+        if path == "/load_lora_adapter" and body["lora_name"] in taken:
+            raise FatalRequestError(f'{url}{path} answered HTTP 400: {{"success":false,"error_message":"Failed to '
+                                    f'load LoRA adapter {body["lora_name"]} because it is already loaded"}}',
+                                    server=url, status=400)
+        if path == "/unload_lora_adapter":
+            taken.discard(body["lora_name"])
+        return {"success": True}
+
+    half = LoraHalf.__new__(LoraHalf)
+    half.sm = SimpleNamespace(state=SimpleNamespace(admin_post=admin_post))
+    half.loaded = {}
+    run(half._load_one("http://s", "/run/weights/step-000003", 3))
+    assert [p for p, _ in calls] == ["/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter",
+                                     "/update_weight_version"]
+    assert calls[2][1] == {"lora_name": "agentloop-v3", "lora_path": "/run/weights/step-000003"}
+    assert half.loaded == {"http://s": {3}}

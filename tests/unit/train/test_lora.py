@@ -104,8 +104,12 @@ def test_lora_checkpoint_roundtrip_is_exact(tiny_model, tmp_path):
 
 
 def test_lora_configs_that_cannot_work_are_refused_with_their_reason(tiny_model):
-    with pytest.raises(ValueError, match="only weight_sync=disk"):
+    with pytest.raises(ValueError, match="never over a NCCL group; use weight_sync=tensor"):
         LearnerConfig(lora=LORA, weight_sync="nccl")
+    # tensor: /load_lora_adapter_from_tensors; a CPU learner's adapter goes by value (full weights still need CUDA)
+    assert LearnerConfig(lora=LORA, weight_sync="tensor", device="cpu").weight_sync == "tensor"
+    with pytest.raises(ValueError, match="needs a GPU learner"):
+        LearnerConfig(weight_sync="tensor", device="cpu")
     with pytest.raises(ValueError, match="LM head"):
         LoraConfig(enabled=True, target_modules=["lm_head"])
     with pytest.raises(ValueError, match="is empty"):
@@ -176,3 +180,54 @@ def test_a_lora_runs_launched_servers_get_the_lora_flags_before_the_users():
     assert args[:3] == ["--enable-lora", "--max-lora-rank", "8"]
     assert args[-2:] == ["--lora-backend", "triton"]  # the user's flags come last and win
     assert "torch_native" in args and cfg.server.extra_args == ["--lora-backend", "triton"]
+
+
+def test_a_16_bit_base_merges_in_float32_when_asked_so_the_merged_model_is_the_served_policy(tmp_path):
+    """The merged weights of a bf16 base are rounded to bf16 by default (the base's dtype); dtype=float32 keeps
+    W + alpha/r * B A exactly: the reference the integration test compares the servers' tokens with (a bf16 merge
+    moved the untrained tiny model's logprobs by 2.7e-3, the float32 one matched the servers to 1e-6)."""
+    from safetensors.torch import load_file, save_file
+
+    from agentloop.train.lora import save_adapter
+
+    g = torch.Generator().manual_seed(0)
+    base = tmp_path / "base"
+    base.mkdir()
+    w = torch.randn(6, 5, generator=g).to(torch.bfloat16)
+    save_file({"model.layers.0.self_attn.q_proj.weight": w, "model.norm.weight": torch.ones(5, dtype=torch.bfloat16)},
+              str(base / "model.safetensors"))
+    (base / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "bfloat16"}))
+    a, b = torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g) * 1e-2
+    cfg = LoraConfig(enabled=True, rank=2, alpha=4.0, target_modules=["q_proj"])
+    ad = save_adapter(tmp_path / "ad", {"model.layers.0.self_attn.q_proj.lora_A.weight": a,
+                                        "model.layers.0.self_attn.q_proj.lora_B.weight": b}, cfg)
+    exact = w.float() + 2.0 * (b @ a)
+    m16 = load_file(str(merge_adapter_dir(base, ad, tmp_path / "m16") / "model.safetensors"))
+    m32_dir = merge_adapter_dir(base, ad, tmp_path / "m32", dtype=torch.float32)
+    m32 = load_file(str(m32_dir / "model.safetensors"))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert m16[key].dtype == torch.bfloat16 and torch.equal(m16[key], exact.to(torch.bfloat16))
+    assert not torch.equal(m16[key].float(), exact)  # the rounding a bf16 merge makes
+    assert all(v.dtype == torch.float32 for v in m32.values()) and torch.equal(m32[key], exact)
+    assert json.loads((m32_dir / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def test_a_cpu_adapter_serializes_by_value_as_sglangs_safe_unpickler_reads_it():
+    """weight_sync=tensor with a CPU learner: the adapter travels as one flattened bucket by value (a shared-memory
+    handle of a CPU tensor is a file descriptor the server cannot open); SGLang's restricted unpickler and its
+    bucket reader give every tensor back bit for bit, in its dtype."""
+    pytest.importorskip("sglang")
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    from agentloop.train.weights.tensor import serialize_adapter
+
+    t = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
+         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 4).to(torch.bfloat16)}
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    payload, flat = serialize_adapter(t)
+    data = MultiprocessingSerializer.deserialize(payload)  # as the server's TP worker reads flattened_bucket
+    back = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                      metadata=data["metadata"]).reconstruct_tensors())
+    assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
+    assert flat.dtype == torch.uint8 and flat.numel() == 4 * 8 * 4 + 8 * 4 * 2
