@@ -174,6 +174,13 @@ def _replace_dir(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _own(t: Any) -> Any:
+    """`t`, copied only when it is a view into a larger storage (safetensors refuses tensors sharing memory). A
+    copy of every tensor was most of a rank-32 0.5B adapter's save: 1008 clones took 3.0 s of 4.3 s for three
+    saves on the CPU, and the save took 1.8 s of a 1.8 s push on an H200 (GPU acceptance, call 11)."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def save_adapter(path: str | Path, state: Mapping[str, Any], cfg: Any, *, dtype: Any = None,
                  base_model: str | None = None) -> Path:
     """Write the PEFT adapter of a full state dict (or one holding only the adapter keys, our names) to `path`:
@@ -182,7 +189,7 @@ def save_adapter(path: str | Path, state: Mapping[str, Any], cfg: Any, *, dtype:
     from safetensors.torch import save_file
 
     path = Path(path)
-    tensors = {k: (v if dtype is None else v.to(dtype)).detach().contiguous().clone()
+    tensors = {k: _own((v if dtype is None else v.to(dtype)).detach().contiguous())
                for k, v in adapter_state(state).items()}
     if not tensors:
         raise ValueError("save_adapter: the state dict holds no LoRA tensors (lora_A / lora_B keys)")

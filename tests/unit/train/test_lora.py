@@ -231,3 +231,18 @@ def test_a_cpu_adapter_serializes_by_value_as_sglangs_safe_unpickler_reads_it():
                                       metadata=data["metadata"]).reconstruct_tensors())
     assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
     assert flat.dtype == torch.uint8 and flat.numel() == 4 * 8 * 4 + 8 * 4 * 2
+
+
+def test_save_adapter_copies_only_views_and_writes_them_whole(tmp_path):
+    """save_adapter writes tensors as given without copying each (a copy per tensor was most of a 0.5B adapter's
+    save); tensors that view a larger storage, overlapping ones included (safetensors refuses those), are copied."""
+    from agentloop.train.lora import save_adapter
+
+    big = torch.arange(24.0).reshape(6, 4)
+    state = {"model.layers.0.self_attn.q_proj.lora_A.weight": big[:2],   # a view: rows 0-1 of `big`
+             "model.layers.0.self_attn.q_proj.lora_B.weight": big[1:],   # a view overlapping the first
+             "model.layers.0.self_attn.k_proj.lora_A.weight": torch.ones(2, 4)}
+    read = read_adapter(save_adapter(tmp_path / "a", state, LORA))[1]
+    assert len(read) == 3
+    torch.testing.assert_close(read["model.layers.0.self_attn.q_proj.lora_A.weight"], big[:2])
+    torch.testing.assert_close(read["model.layers.0.self_attn.q_proj.lora_B.weight"], big[1:])
