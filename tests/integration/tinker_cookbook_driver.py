@@ -1,11 +1,10 @@
-"""tinker-cookbook's own loops against `agentloop tinker serve` (run as a child by test_tinker_real.py).
+"""tinker-cookbook's own loops against `agentloop tinker serve` (a child of test_tinker_real.py, which runs the
+math_rl recipe as its own CLI).
 
     sft URL MODEL LOG_DIR DATA.jsonl   tinker_cookbook.supervised.train.main (the loop recipes/sl_basic.py runs) on a
                                        conversation file (FromConversationFileBuilder; a missing DATA is written from
                                        6 conversations of the cookbook's example_data: 4 train, 2 held out), so each
                                        epoch is the same batch of 4 and its NLL must fall
-    rl URL MODEL LOG_DIR               tinker_cookbook.rl.train.main (the loop recipes/math_rl/train.py runs) on its
-                                       arithmetic environment (ArithmeticDatasetBuilder, nothing downloaded)
     rollout URL MODEL                  the case of the cookbook's rollout-semantics regression tests
                                        (rl/rollout_semantics_regression_test.py, not shipped in its wheel) that
                                        depends on the sampler, with our SamplingClient in place of their scripted
@@ -47,19 +46,6 @@ def sft(url: str, model: str, log_path: str, data: str, steps: int = 4) -> None:
     asyncio.run(train.main(config))
 
 
-def rl(url: str, model: str, log_path: str, steps: int = 3) -> None:
-    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
-    from tinker_cookbook.rl import train
-
-    builder = ArithmeticDatasetBuilder(batch_size=2, group_size=4, model_name_for_tokenizer=model,
-                                       renderer_name="role_colon", n_batches=steps)
-    config = train.Config(log_path=log_path, model_name=model, recipe_name="recipe_math_rl",
-                          renderer_name="role_colon", base_url=url, dataset_builder=builder, learning_rate=1e-3,
-                          max_tokens=8, lora_rank=8, eval_every=0, save_every=steps,
-                          loss_fn="importance_sampling")
-    asyncio.run(train.main(config))
-
-
 def rollout(url: str, model: str) -> None:
     import json
 
@@ -94,4 +80,4 @@ def rollout(url: str, model: str) -> None:
 
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
-    {"sft": sft, "rl": rl, "rollout": rollout}[cmd](*rest)
+    {"sft": sft, "rollout": rollout}[cmd](*rest)
