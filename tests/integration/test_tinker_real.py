@@ -87,6 +87,65 @@ def test_the_sdks_own_calls_end_to_end(tinker_service):
     assert list((run / "checkpoints").rglob("adapter_config.json"))  # a PEFT adapter SGLang loaded by name
 
 
+def _metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _cookbook(*args: str) -> list[str]:
+    return [str(ROOT / "tests/integration/tinker_cookbook_driver.py"), *args]
+
+
+@pytest.mark.sglang
+def test_the_cookbooks_sft_loop_runs_unchanged(tinker_service, tiny_model_path, tmp_path):
+    """tinker_cookbook.supervised.train.main (sl_basic's loop) on 4 conversations, 4 epochs of one batch: its
+    NLL falls, its held-out NLL is evaluated and falls, its checkpoints are the service's."""
+    url, run = tinker_service
+    log = tmp_path / "sft"
+    _run(_cookbook("sft", url, str(tiny_model_path), str(log), str(tmp_path / "conversations.jsonl")))
+    m = _metrics(log)
+    nll = [r["train_mean_nll"] for r in m if "train_mean_nll" in r]
+    assert len(nll) == 4 and nll[-1] < nll[0] * 0.95 and nll == sorted(nll, reverse=True), nll
+    test_nll = [r["test/nll"] for r in m if "test/nll" in r]
+    assert len(test_nll) == 2 and test_nll[-1] < test_nll[0], test_nll
+    saved = [json.loads(line) for line in (log / "checkpoints.jsonl").read_text().splitlines()]
+    assert [c["name"] for c in saved] == ["000002", "final"], saved
+    for c in saved:  # tinker:// paths of this service, their files in its run dir
+        for key, kind in (("state_path", "weights"), ("sampler_path", "sampler_weights")):
+            model_id, name = c[key].removeprefix("tinker://").split(f"/{kind}/")
+            assert (run / "checkpoints" / model_id.replace(":", "_") / kind / name).is_dir(), c[key]
+
+
+@pytest.mark.sglang
+def test_the_cookbooks_math_rl_recipe_runs_unchanged(tinker_service, tiny_model_path, tmp_path):
+    """The math_rl recipe's own CLI (rl/train.py's loop) on its arithmetic env, 3 steps of 2 groups x 4 samples:
+    each step samples through our SamplingClient from that step's saved sampler weights, trains with
+    importance_sampling, and the cookbook's own sampler-vs-trainer check (kl_sample_train_v1, what its
+    rl_numerics_check recipe watches) is ~0: the tokens and logprobs the server sampled are the learner's."""
+    url, _ = tinker_service
+    log = tmp_path / "rl"
+    _run(["-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={tiny_model_path}", "renderer_name=role_colon",
+          "env=arithmetic", "group_size=4", "groups_per_batch=2", "max_tokens=8", "lora_rank=8", "learning_rate=1e-3",
+          "max_steps=3", "eval_every=0", "save_every=0", "loss_fn=importance_sampling", f"base_url={url}",
+          f"log_path={log}", "behavior_if_log_dir_exists=delete"])
+    m = [r for r in _metrics(log) if "env/all/reward/total" in r]
+    assert [r["step"] for r in m] == [1.0, 2.0, 3.0], m
+    for r in m:
+        assert r["env/all/ac_tokens_per_turn"] > 0 and -0.1 - 1e-6 <= r["env/all/reward/total"] <= 1.0
+        assert abs(r["optim/kl_sample_train_v1"]) < 1e-3 and r["optim/kl_sample_train_v2"] < 1e-3, r
+    assert sorted(p.name for p in log.glob("iteration_*")) == [f"iteration_{i:06d}" for i in range(3)]
+
+
+@pytest.mark.sglang
+def test_the_cookbooks_rollout_semantics_with_our_sampler(tinker_service, tiny_model_path):
+    """The cookbook's rollout-semantics regression case 1 with our sampler instead of a scripted one: a sample
+    cut at max_tokens comes back with stop_reason `length`, which ends the episode with the overflow reward
+    before the env's step (no grading)."""
+    url, _ = tinker_service
+    r = json.loads(_run(_cookbook("rollout", url, str(tiny_model_path))).split("RESULT ", 1)[1])
+    assert r == {"transitions": 1, "reward": -0.1, "done": True, "max_tokens_reached": 1.0, "ac_len": 3,
+                 "logprobs": 3, "graded": 0}
+
+
 def test_auth_refuses_a_request_without_the_key_on_a_non_local_bind(tiny_model_path):
     pytest.importorskip("tinker")
     import asyncio
