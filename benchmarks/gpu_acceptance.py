@@ -24,6 +24,9 @@ paths that need two GPUs. Rows:
     ray-cost-1gpu        the same `agentloop train` on one GPU (colocated, tensor), local then Ray
                          (cluster.backend=ray cluster.colocate=true): steps/h, Ray costs < 2%
     learner-1rank-S      `agentloop bench train` (varlen + compile), S = 0.5b and 1.5b shapes, one rank: MFU
+    tinker-0.5b          the Tinker service, 0.5B shape, GPU 1: benchmarks/tinker_overhead.py (SDK round trip vs the
+                         backend directly, < 5%), then `agentloop tinker serve --device cuda` and the SDK's own calls
+                         (tests/integration/tinker_sdk_driver.py): the loss falls, sampled = trained logprobs
     lora-0.5b            benchmarks/lora_bench.py, 0.5B shape, GPU 1, one LoRA-serving server: the learner's peak
                          memory and step time and the push of full weights vs a rank-32 adapter, by weight_sync
                          tensor (CUDA IPC: /update_weights_from_tensor vs /load_lora_adapter_from_tensors) and by
@@ -818,6 +821,80 @@ class Rows:
             if ad["tensor_push_s"] >= 0.05:
                 raise Failed("LoRA push (weight_sync=tensor) >= 0.05 s (target < 0.05 s at rank 32): " + r.figure)
 
+    # ---- the Tinker service on the GPU
+
+    def tinker(self, r: Row, gpu: int) -> None:
+        """The Tinker service on the 0.5B shape (the tiny model on the CPU): benchmarks/tinker_overhead.py (a
+        forward_backward + optim_step round trip through the tinker SDK against the same calls on the backend, side
+        by side: issue 32's target < 5% at 0.5B), then `agentloop tinker serve --device cuda` on a LoRA-serving
+        server and the SDK's own calls end to end (tests/integration/tinker_sdk_driver.py: training lowers the loss,
+        sampling from saved weights gives the training model's logprobs, the losses match a hand computation)."""
+        from agentloop.train.config import LoraConfig
+        from agentloop.train.lora import server_args
+
+        acc = self.acc
+        model = self.model("q05")
+        work = acc.work / "tinker"
+        work.mkdir(parents=True, exist_ok=True)
+        dev = ["--device", "cpu", "--dtype", "float32"] if acc.smoke else ["--device", "cuda", "--dtype", "bfloat16"]
+        log = Path(r.log)
+        env = acc.env(str(gpu), TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "tinker_overhead.py"), "--model", str(model), *dev,
+               "--out", str(work), *(["--rounds", "3", "--batch", "2", "--seq-len", "32"] if acc.smoke else [])]
+        with log.open("ab") as fh:
+            fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+            fh.flush()
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=300).returncode
+        found = sorted(work.glob("tinker_overhead_*.json"))
+        if rc != 0 or not found:
+            raise Failed(f"benchmarks/tinker_overhead.py exited {rc}")
+        ov = json.loads(found[-1].read_text())
+        ratio = ov["sdk_median_s"] / ov["direct_median_s"]
+        lora = LoraConfig(enabled=True, rank=32, alpha=32)
+        srv = acc.server(model, gpu, acc.logs / "tinker-server.log", mem=0.4, tokens=65536,
+                         extra=["--disable-cuda-graph", *server_args(lora, "cuda")],
+                         smoke_extra=server_args(lora, "cpu"))
+        serve = None
+        try:
+            serve_cmd = [sys.executable, "-m", "agentloop.cli", "tinker", "serve", "--model", str(model), *dev,
+                         "--port", "0", "--run-dir", str(work / "run"), "--server-url", srv.url]
+            with log.open("ab") as fh:
+                fh.write(("$ " + shlex.join(serve_cmd) + "\n").encode())
+            serve = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log.open("ab"), env=env, cwd=ROOT,
+                                     text=True, start_new_session=True)
+            line = serve.stdout.readline()
+            if " on http" not in line:
+                raise Failed(f"agentloop tinker serve did not come up: {line.strip()!r}")
+            url = line.split(" on ", 1)[1].split()[0]
+            drv = [sys.executable, str(ROOT / "tests" / "integration" / "tinker_sdk_driver.py"), url]
+            p = subprocess.run(drv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+            with log.open("ab") as fh:
+                fh.write(("$ " + shlex.join(drv) + "\n" + p.stdout[-4000:] + p.stderr[-4000:]).encode())
+            if p.returncode != 0 or "RESULT " not in p.stdout:
+                raise Failed(f"the SDK driver exited {p.returncode}")
+            res = json.loads(p.stdout.split("RESULT ", 1)[1])
+        finally:
+            if serve is not None:
+                _kill_group(serve)
+                serve.stdout.close()
+            srv.stop()
+        ce = res["ce_losses"]
+        r.data = {"overhead": ov, "ratio": ratio, "driver": res}
+        r.figure = (f"round trip through the SDK {ov['sdk_median_s'] * 1e3:.1f} ms vs the backend directly "
+                    f"{ov['direct_median_s'] * 1e3:.1f} ms: overhead {100 * (ratio - 1):+.1f}% ({ov['batch']} x "
+                    f"{ov['seq_len']} tokens, LoRA r{ov['lora_rank']}); the SDK's calls on the service: cross-entropy "
+                    f"{ce[0]:.2f} -> {ce[-1]:.2f}, sampled logprobs vs the training model's forward "
+                    f"{res['sample_logprob_diff']:.1e}, importance sampling {res['is_server']:.4g} vs "
+                    f"{res['is_hand']:.4g} by hand")
+        if not ce[-1] < ce[0]:
+            raise Failed("training through the SDK did not lower the loss: " + r.figure)
+        if abs(res["is_server"] - res["is_hand"]) > 1e-2 * max(1.0, abs(res["is_hand"])):
+            raise Failed("the service's importance-sampling loss is not the hand computation's: " + r.figure)
+        if res["sample_logprob_diff"] > (5e-2 if not acc.smoke else 1e-3):
+            raise Failed("the sampled logprobs are not the training model's: " + r.figure)
+        if not acc.smoke and ratio >= 1.05:
+            raise Failed("the service's round trip costs >= 5% over the backend (target < 5% at 0.5B): " + r.figure)
+
     # ---- the learner alone
 
     def learner(self, r: Row, nproc: int, shape: str, gpus: str) -> None:
@@ -988,6 +1065,8 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
                 lambda r: rows.learner(r, 1, "qwen2.5-1.5b-shape", "1"))
         acc.row("lora-0.5b", "LoRA rank 32 vs full weights, 0.5B shape: learner memory, step, push", 150, "1",
                 lambda r: rows.lora(r, 1))
+        acc.row("tinker-0.5b", "the Tinker service, 0.5B shape: SDK round trip vs the backend, the SDK's calls",
+                180, "1", lambda r: rows.tinker(r, 1))
 
     if not acc.smoke and acc.wants("learner-"):
         prebuild("qwen2.5-1.5b-shape")
