@@ -85,6 +85,12 @@ def test_the_sdks_own_calls_end_to_end(tinker_service):
     assert r["state_moved"] > 1e-3 and r["state_back"] < 1e-5 and r["state_fresh"] < 1e-5, r
     assert r["unsupported"] and "cispo" in r["unsupported"] and "not supported" in r["unsupported"]
     assert list((run / "checkpoints").rglob("adapter_config.json"))  # a PEFT adapter SGLang loaded by name
+    # the full-weights extension: every weight trains, its sampler serves the trained model's logprobs, and the
+    # LoRA sampler afterwards samples as before (the base weights switched back under it)
+    fl = r["full_ce_losses"]
+    assert fl[-1] < fl[0], fl
+    assert r["full_sample_logprob_diff"] < 1e-3, r
+    assert r["lora_again_same_as_before"], r
 
 
 def _metrics(log_dir: Path) -> list[dict]:

@@ -104,6 +104,27 @@ def main(url: str) -> None:
         out["unsupported"] = None
     except tinker.RequestFailedError as e:
         out["unsupported"] = str(e)
+
+    # agentloop's extension: full weights (every weight trained; the sampler weights an HF directory the server
+    # loads from disk), then the LoRA sampler again (the server's base weights are switched back for it)
+    tf = sc.create_lora_training_client(base_model=base, rank=8, user_metadata={"agentloop_full_weights": "true"})
+    full = []
+    for _ in range(3):
+        fb = tf.forward_backward(batch, "cross_entropy")
+        op = tf.optim_step(types.AdamParams(learning_rate=1e-3))
+        full.append(fb.result().metrics["loss:sum"])
+        op.result()
+    out["full_ce_losses"] = full
+    fsampler = sc.create_sampling_client(model_path=tf.save_weights_for_sampler("full1").result().path)
+    fres = fsampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=5)).result()
+    ids = prompt + list(fres.sequences[0].tokens)
+    fwd = tf.forward([datum(ids, [0.0] * (len(ids) - 1))], "cross_entropy").result()
+    flp = np.asarray(fwd.loss_fn_outputs[0]["logprobs"].data)[len(prompt) - 1:]
+    out["full_sample_logprob_diff"] = float(np.max(np.abs(flp - np.asarray(fres.sequences[0].logprobs))))
+    again = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)).result()
+    out["lora_again_same_as_before"] = list(again.sequences[0].tokens) == list(res.sequences[0].tokens)
     print("RESULT " + json.dumps(out), flush=True)
 
 
