@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from agentloop.errors import RequestError
-from agentloop.train.handle.protocol import PushOrder, SyncRequest, UpdateResult, WeightsOnDisk
+from agentloop.train.handle.protocol import SyncRequest, UpdateResult, WeightsOnDisk
 from agentloop.train.lora import adapter_name, server_args
 from agentloop.train.weights.servers import ServerHalf, TransportError
 
@@ -138,16 +138,7 @@ class LoraHalf(ServerHalf):
     async def _pushed(self, step: int, timeout_s: float) -> tuple[UpdateResult, float]:
         """weight_sync tensor: pause, let the learner load adapter `step` into the reachable servers, resume."""
         t1 = time.monotonic()
-        await self.sm.pause(mode=self.policy.pause_mode)
-        try:
-            targets = await self.sm.reachable_targets()
-            await self.learner.allow_sync(step, PushOrder(step, tuple(targets), self.policy.mode))
-            upd = await self.learner.wait_update(step, timeout_s)
-            await self.sm.finish_update(self.policy, targets)
-        finally:
-            await self.sm.resume()
-        self.sm.mark_updated(step, targets)
-        self.sm.expect_version(step)
+        upd, targets = await self.push_paused(step, timeout_s)
         self.current = None  # no directory holds this adapter: a stale server waits for the next push
         for u in targets:
             self.loaded.setdefault(u, set()).add(step)

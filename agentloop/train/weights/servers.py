@@ -100,6 +100,22 @@ class ServerHalf:
         (the update, seconds spent getting the weights there)."""
         raise NotImplementedError
 
+    async def push_paused(self, step: int, timeout_s: float) -> tuple[UpdateResult, list[str]]:
+        """A learner-side push (tensor, nccl; full weights or an adapter): pause the servers, let the learner push
+        `step` into the reachable ones, finish the mode's update, resume; those servers then count as on `step`.
+        (the learner's update, the servers it reached)."""
+        await self.sm.pause(mode=self.policy.pause_mode)
+        try:
+            targets = await self.sm.reachable_targets()
+            await self.learner.allow_sync(step, PushOrder(step, tuple(targets), self.policy.mode))
+            upd = await self.learner.wait_update(step, timeout_s)
+            await self.sm.finish_update(self.policy, targets)
+        finally:
+            await self.sm.resume()
+        self.sm.mark_updated(step, targets)
+        self.sm.expect_version(step)
+        return upd, targets
+
 
 class DiskHalf(ServerHalf):
     """The learner saved weights/step-N: load them."""
@@ -125,16 +141,7 @@ class PushHalf(ServerHalf):
             raise TransportError(f"step {step}: the learner answered without asking for paused servers ({event}); "
                                  "does it run the same learner.weight_sync?")
         t1 = time.monotonic()
-        await self.sm.pause(mode=self.policy.pause_mode)
-        try:
-            targets = await self.sm.reachable_targets()
-            await self.learner.allow_sync(step, PushOrder(step, tuple(targets), self.policy.mode))
-            upd = await self.learner.wait_update(step, timeout_s)
-            await self.sm.finish_update(self.policy, targets)
-        finally:
-            await self.sm.resume()
-        self.sm.mark_updated(step, targets)
-        self.sm.expect_version(step)
+        upd, _ = await self.push_paused(step, timeout_s)
         self.current = None  # the servers hold weights no directory has: a stale server waits for the next push
         return upd, time.monotonic() - t1
 
