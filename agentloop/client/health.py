@@ -20,6 +20,8 @@ import asyncio
 import time
 from typing import Any
 
+import aiohttp
+
 from agentloop.client.state import ManagerState
 from agentloop.errors import ServerError
 
@@ -53,7 +55,22 @@ class Health:
 
     async def check_health(self, idx: int) -> bool:
         """Liveness of an admitted server (GET /health)."""
-        return await self.s.get_ok(self.s.urls[idx], "/health", self.s.cfg.health_timeout_s) is not None
+        return await self.probe_health(idx) == "ok"
+
+    async def probe_health(self, idx: int) -> str:
+        """GET /health: "ok"; "refused" when nothing listens at the server's address (its process is gone, whatever
+        it answered lately); "failed" for any other failure (a timeout, an error status: a busy server can miss
+        its probe)."""
+        s = self.s
+        to = aiohttp.ClientTimeout(total=s.cfg.health_timeout_s)
+        try:
+            async with s.require_session().get(s.urls[idx] + "/health", timeout=to) as resp:
+                await resp.read()
+                return "ok" if resp.status == 200 else "failed"
+        except aiohttp.ClientConnectorError as e:
+            return "refused" if isinstance(e.os_error, ConnectionRefusedError) else "failed"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return "failed"
 
     async def model_info(self, idx: int, timeout: float | None = None) -> dict[str, Any] | None:
         """What the server says it serves (GET /model_info: model_path, model_type, architectures,
@@ -116,11 +133,14 @@ class Health:
             if server.asleep:
                 return  # its memory is released: it is woken (and checked) before it serves again
             if server.healthy:
-                if await self.check_health(i):
+                probe = await self.probe_health(i)
+                if probe == "ok":
                     s.router.record_success(i)
-                elif time.monotonic() - s.answered_at[i] < s.cfg.answered_grace_s:
+                elif probe != "refused" and time.monotonic() - s.answered_at[i] < s.cfg.answered_grace_s:
                     # A server answering requests is alive, whatever its probe says: under heavy load
-                    # SGLang's /health can miss its timeout, and ejecting the only server ends the run.
+                    # SGLang's /health can miss its timeout, and ejecting the only server ends the run. A refused
+                    # connection is no busy server: its process is gone, and one restarted at the same address
+                    # (a Ray actor's restart) would otherwise be taken back at the weights it never loaded.
                     s.router.record_success(i)
                 else:
                     s.note_failure(i)

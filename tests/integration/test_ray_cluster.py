@@ -7,14 +7,13 @@ node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLan
     crosses from one node's scratch dir to the other's (the learner's weights reach the servers through Ray);
   * the episodes on two rollout worker actors (their ServerManagers following the driver's), in each interrupt
     mode: no episode aborted, every token stamped with the version that sampled it; abort: the calls a weight
-    update cuts short are continued under the new weights;
+    update cuts short are continued under the new weights, and (the same run) a rollout worker killed mid-rollout
+    with the episode journal on: its groups go on on the other worker from what it journaled, none cancelled;
   * the learner actor killed after a checkpoint: the run fails with an error naming the dead actor, and the same
     command resumes from that checkpoint on the learner's node and finishes;
   * a server actor killed with its restart allowed: Ray restarts it at its URL, and the run re-admits it only once
     it serves the current weights (reloaded from its node's copy, which was not fetched again);
-  * learner ranks that Ray places on two nodes sharing no filesystem are refused before any rank starts;
-  * a rollout worker killed mid-rollout with the episode journal on: its groups go on on the other worker from what
-    it journaled, none cancelled.
+  * learner ranks that Ray places on two nodes sharing no filesystem are refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -146,16 +145,46 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     assert summary["learner_exit"] == 0
 
 
+def _both_journaled(run_dir: Path) -> bool:
+    """Both rollout workers journaled, and at least two generate calls are in the journal."""
+    from agentloop.journal.reader import read_journal
+
+    jdir = run_dir / "journal"
+    if not jdir.is_dir():
+        return False
+    writers = {p.stem.rpartition("-")[0] for p in jdir.glob("w*.jal")}
+    return len(writers) >= 2 and sum(len(e.replay()) for e in read_journal(jdir).episodes.values()) >= 2
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, tiny_model_path, tmp_path, mode):
+    """Two rollout workers, each interrupt mode. abort (the default mode) also kills rollout worker 0 once both
+    workers have journaled generate calls (the episode journal on, the default): its groups are not cancelled,
+    each goes on on worker 1 from what worker 0 journaled (the same attempt, so its seeds and episode ids), and
+    every step still trains whole groups of every prompt (one training run for both scenarios: each run pays for
+    its servers, learner and workers)."""
     run_dir, plugin, log = nodes.driver / f"run-workers-{mode}", nodes.driver / "reward.py", tmp_path / "run.log"
     plugin.write_text(REWARD)
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "sampling.max_new_tokens=400",
-               "learner.checkpoint_every=null", "cluster.rollout_workers=2", f"train.interrupt={mode}")
+               "learner.checkpoint_every=null", "cluster.rollout_workers=2", f"train.interrupt={mode}",
+               "journal.write_interval_ms=1")
     with log.open("wb") as out_file:
-        proc = subprocess.run(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=_env(nodes), timeout=600)
+        proc = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=_env(nodes))
+    try:
+        if mode == "abort":
+            _wait(proc, log, lambda: _both_journaled(run_dir), "both workers' journaled calls")
+            ray = _ray()
+            ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
+            try:
+                ray.kill(ray.get_actor(f"agentloop-{run_dir.name}-rollout0"), no_restart=True)
+            finally:
+                ray.shutdown()
+        assert proc.wait(600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     out = log.read_text()
-    assert proc.returncode == 0, out[-4000:]
     assert "episodes run on 2 rollout worker(s)" in out
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
@@ -175,6 +204,11 @@ def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, ti
         assert sum(r["async/episodes_continued"] for r in rows) >= 1, [r["async/episodes_continued"] for r in rows]
         both = [r for r in recs if r.metrics.get("interrupted_calls", 0) > 0]
         assert both and all(len(set(v for v, m in zip(r.token_versions, r.response_mask) if m)) == 2 for r in both)
+        # the killed worker's groups went on on the other one from its journal, none given out again from scratch
+        assert sum(r.get("journal/groups_moved_from_dead_worker", 0) for r in rows) >= 1
+        assert sum(r.get("journal/groups_continued_after_worker_death", 0) for r in rows) >= 1
+        assert sum(r.get("journal/calls_reused", 0) + r.get("journal/episodes_reused_finished", 0) for r in rows) >= 1
+        assert sum(r["async/groups_cancelled"] for r in rows) == 0
 
 
 def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes(nodes, tiny_model_path, tmp_path):
@@ -315,46 +349,3 @@ def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(node
                    if g["name"] == "agentloop-spread-learner")
     finally:
         ray.shutdown()
-
-
-def test_a_killed_rollout_worker_s_groups_go_on_from_the_journal_on_the_other_one(nodes, tiny_model_path, tmp_path):
-    """Two rollout workers, the episode journal on (the default); rollout worker 0 is killed once both workers have
-    journaled generate calls. Its groups are not cancelled: each goes on on worker 1 from what worker 0 journaled
-    (the same attempt, so its seeds and episode ids), and every step trains whole groups of every prompt."""
-    from agentloop.journal.reader import read_journal
-
-    run_dir, plugin, log = nodes.driver / "run-worker-kill", nodes.driver / "reward.py", tmp_path / "run.log"
-    plugin.write_text(REWARD)
-    cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "sampling.max_new_tokens=200",
-               "learner.checkpoint_every=null", "cluster.rollout_workers=2", "journal.write_interval_ms=1")
-
-    def both_journaled() -> bool:
-        jdir = run_dir / "journal"
-        if not jdir.is_dir():
-            return False
-        writers = {p.stem.rpartition("-")[0] for p in jdir.glob("w*.jal")}
-        return len(writers) >= 2 and sum(len(e.replay()) for e in read_journal(jdir).episodes.values()) >= 2
-
-    ray = _ray()
-    with log.open("wb") as out_file:
-        proc = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=_env(nodes))
-    try:
-        _wait(proc, log, both_journaled, "both workers' journaled calls")
-        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
-        try:
-            ray.kill(ray.get_actor(f"agentloop-{run_dir.name}-rollout0"), no_restart=True)
-        finally:
-            ray.shutdown()
-        assert proc.wait(600) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
-    assert sum(r.get("journal/groups_moved_from_dead_worker", 0) for r in rows) >= 1
-    assert sum(r.get("journal/groups_continued_after_worker_death", 0) for r in rows) >= 1
-    assert sum(r.get("journal/calls_reused", 0) + r.get("journal/episodes_reused_finished", 0) for r in rows) >= 1
-    assert sum(r["async/groups_cancelled"] for r in rows) == 0  # none given out again from scratch
-    recs = [r for s in (1, 2, 3) for r in read_records(run_dir / "rollouts" / f"step-{s:06d}.jsonl")]
-    assert len(recs) == 12 and all(r.error is None for r in recs)

@@ -224,6 +224,42 @@ def test_a_server_answering_requests_is_not_ejected_for_failed_probes():
     assert run(main()) is True
 
 
+def test_a_server_that_refuses_connections_is_ejected_inside_the_grace_and_restarted_is_taken_back_resynced():
+    """The grace covers a busy server's missed probes, not a dead one: a server that just answered, whose address
+    then refuses connections (its process gone; a Ray actor restarting it at the same port), is ejected at once.
+    Back at that address with fresh weights (version 0), it is re-admitted only after the resync hook brought
+    it to the expected version, never taken back at the weights it serves."""
+    async def main():
+        fake = await FakeSGLang().start()
+        port, resynced = fake.port, []
+
+        async def resync(url: str) -> None:
+            resynced.append(url)
+            await sm.update_weights_from_disk("/w1", weight_version=1, urls=[url], flush_cache=False)
+
+        try:
+            cfg = ManagerConfig(health_interval_s=0.05, answered_grace_s=600)
+            q = events()
+            async with ServerManager([fake.url], cfg, on_event=q.put_nowait, initial_version=0,
+                                     resync=resync) as sm:
+                await sm.update_weights_from_disk("/w1", weight_version=1)
+                sm.expect_version(1)
+                await sm.generate("e", prompt_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 4})
+                await fake.stop()  # the process dies right after answering: well inside the grace
+                await wait_event(q, f"{fake.url} ejected")
+                fake2 = await FakeSGLang(port=port).start()  # restarted at its address, serving fresh weights
+                try:
+                    line = await wait_event(q, "re-admitted")
+                    return line, resynced, fake2.weight_version
+                finally:
+                    await fake2.stop()
+        finally:
+            await fake.stop()
+
+    line, resynced, served = run(main())
+    assert "re-admitted at version 1" in line and len(resynced) == 1 and served == "1"
+
+
 def test_pushes_reach_servers_ejected_for_failures_that_answer_again():
     async def main():
         a, b = await FakeSGLang().start(), await FakeSGLang().start()

@@ -96,7 +96,9 @@ def test_slow_raising_and_looping_rewards_score_the_minimum_and_the_rest_goes_on
     # the others finished while the slow ones were still being scored, and the event loop never froze
     order = [r.index for r in res.records]
     assert {order[-1], order[-2]} == {0, 3}
-    assert res.summary["loop/lag_max_ms"] < 2000  # inline, the sleeping reward alone froze it 60 s
+    # inline, the sleeping reward alone froze it 60 s: a third of that tells the two apart on any machine, however
+    # loaded (a lag bound of a few seconds would be a verdict on the box's speed)
+    assert res.summary["loop/lag_max_ms"] < 20_000
     assert killed == 2
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # the looping worker is gone (killed and reaped)
