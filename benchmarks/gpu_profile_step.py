@@ -22,16 +22,13 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from agentloop.bench.train import (
-        TrainBenchConfig,
-        resolve_bench_model,
-        synthetic_records,
-    )
+    from agentloop.bench.train import TrainBenchConfig, synthetic_records
     from agentloop.config import load_config
+    from agentloop.models.modelzoo import resolve_named_model
     from agentloop.train.trainer.learner import Learner
 
     cfg = load_config(None, ["learner.dtype=bfloat16", *overrides])
-    model = resolve_bench_model("qwen2.5-0.5b-shape")
+    model = resolve_named_model("qwen2.5-0.5b-shape")
     bench = TrainBenchConfig(model="qwen2.5-0.5b-shape", sequences=int(seqs), group_size=8, prompt_tokens=int(prompt),
                              response_tokens=int(response))
     learner = Learner(model, cfg.algo, cfg.learner)

@@ -52,6 +52,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentloop.models.modelzoo import resolve_named_model
 from agentloop.train.flops import flop_params, peak_tflops, step_flops_from_sums
 
 SPLIT_KEYS = ("time/rollout_s", "time/reward_s", "time/learner_s", "time/sync_s", "time/step_s")
@@ -142,26 +143,6 @@ def synthetic_records(bench: TrainBenchConfig, vocab_size: int, *, step: int = 1
 
 
 # ---------------------------------------------------------------------------- the learner bench
-
-
-def resolve_bench_model(name: str) -> Path:
-    """`tiny`, a MODEL_SHAPES name (built once, cached) or an existing model directory."""
-    from agentloop.errors import ConfigError
-    from agentloop.models.modelzoo import (
-        MODEL_SHAPES,
-        ensure_shape_model,
-        ensure_tiny_model,
-    )
-
-    if name == "tiny":
-        return ensure_tiny_model()
-    if name in MODEL_SHAPES:
-        return ensure_shape_model(name)
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"--model {name!r}: not 'tiny', not one of {sorted(MODEL_SHAPES)}, "
-                          "and not a directory with a config.json")
-    return path
 
 
 def _log(msg: str) -> None:
@@ -313,7 +294,7 @@ def run_learner_bench(bench: TrainBenchConfig, algo: Any, learner_cfg: Any, out_
     """The learner bench in this process (nproc 1) or as a torchrun group (nproc > 1); rank 0's report."""
     from agentloop.errors import AgentLoopError
 
-    model_path = resolve_bench_model(bench.model)
+    model_path = resolve_named_model(bench.model)
     nproc = learner_cfg.world_size
     _log(f"learner bench: model {bench.model} ({model_path}), {nproc} rank(s), {bench.sequences} sequences x "
          f"({bench.prompt_tokens} prompt + {bench.response_tokens} response) tokens, group {bench.group_size}, "
@@ -530,7 +511,7 @@ def run_bench_train(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
 
             cfg.train.steps = args.full_steps
             if args.bench_model and args.bench_model != "tiny":
-                cfg.model.path = str(resolve_bench_model(args.bench_model))
+                cfg.model.path = str(resolve_named_model(args.bench_model))
             if not cfg.run_dir:
                 cfg.name = "bench-train-full"
             print(f"bench train --full: running `agentloop train` for {cfg.train.steps} steps",

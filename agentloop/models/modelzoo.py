@@ -12,6 +12,7 @@ Map:
     MODEL_SHAPES         named real-model shapes (Qwen2.5-0.5B) for benchmarks, random weights
     shape_config         the Qwen2Config of a named shape
     ensure_shape_model   cached random-weight model of a named shape, with the tiny tokenizer
+    resolve_named_model  `tiny`, a shape name or a model directory (a command line's --model) -> its directory
     load_tokenizer       `PreTrainedTokenizerFast` from a model (or tokenizer) directory
     CHAT_TEMPLATE        our Qwen2.5-style ChatML Jinja template with tool support
     build_corpus         the synthetic training text (deterministic in the seed)
@@ -46,6 +47,7 @@ __all__ = [
     "ensure_tiny_model",
     "load_tokenizer",
     "model_dir_for",
+    "resolve_named_model",
     "shape_config",
 ]
 
@@ -249,6 +251,22 @@ def ensure_shape_model(name: str = "qwen2.5-0.5b-shape", cache_dir: str | Path |
                 shutil.copy(f, out / f.name)
 
     return build_once(target, build)
+
+
+def resolve_named_model(name: str) -> Path:
+    """A model named on a command line: `tiny` (built once), a MODEL_SHAPES name (random weights, built once) or
+    a directory holding a Hugging Face config.json."""
+    from agentloop.errors import ConfigError
+
+    if name == "tiny":
+        return ensure_tiny_model()
+    if name in MODEL_SHAPES:
+        return ensure_shape_model(name)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {name!r}: not 'tiny', not one of {sorted(MODEL_SHAPES)}, "
+                          "and not a directory with a config.json")
+    return path
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -56,21 +56,11 @@ class UserError(ValueError):
 
 
 def resolve_model_path(model: str) -> Path:
-    """`tiny`, a shape name of agentloop/models, or a local HF directory."""
-    if model == "tiny":
-        from agentloop.models.modelzoo import ensure_tiny_model
+    """`tiny`, a shape name of agentloop/models, or a local HF directory, as an absolute path (the name clients
+    pass as base_model, which the SDK's get_tokenizer loads)."""
+    from agentloop.models.modelzoo import resolve_named_model
 
-        return ensure_tiny_model()
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p.resolve()
-    from agentloop.models.modelzoo import ensure_shape_model
-
-    try:
-        return ensure_shape_model(model)
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"--model {model!r} is neither `tiny`, a local model directory nor a model shape ({e})") \
-            from None
+    return resolve_named_model(model).resolve()
 
 
 class TinkerService:
