@@ -18,8 +18,6 @@ import aiohttp
 
 from agentloop.tinker.wire import SampledSeq
 
-ALL_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-
 
 class SamplerError(RuntimeError):
     """The SGLang server refused or failed a request (the message names it)."""
@@ -69,10 +67,12 @@ class Sampler:
         self._session: aiohttp.ClientSession | None = None
 
     def server_args(self) -> list[str]:
-        args = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--lora-target-modules", *ALL_TARGETS]
-        if self.device == "cpu":
-            args += ["--lora-backend", "torch_native"]
-        return args + self.extra_args
+        """The LoRA flags agentloop's runs give their servers (every projection a client may adapt, up to
+        max_lora_rank), then `extra_args`."""
+        from agentloop.train.config import LoraConfig
+        from agentloop.train.lora import server_args
+
+        return server_args(LoraConfig(enabled=True, rank=self.max_lora_rank), self.device) + self.extra_args
 
     async def start(self) -> str:
         """Launch the server (unless `url` was given) and wait until it answers; its URL."""
