@@ -1,9 +1,11 @@
-"""Which model a run uses and its tokenizer: `resolve_model` (cfg.model.path or the tiny model, built once)
-and `load_tokenizer_for` (the tokenizer plus the context length loops must respect)."""
+"""Which model a run uses and its tokenizer: `resolve_model` (cfg.model.path or the tiny model, built once),
+`load_tokenizer_for` (the tokenizer plus the context length loops must respect), and `copy_aux_files` (what an
+exported model directory takes from its base besides weights and config)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,16 @@ def resolve_model(cfg: Config) -> Path:
         return p
     return ensure_tiny_model()
 
+
+
+def copy_aux_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation config, chat template...: every top-level file of model directory `src` except
+    weights and config.json, copied into `dst` (an exported model directory the servers and transformers load)."""
+    skip_suffix = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+    for f in Path(src).iterdir():
+        if not f.is_file() or f.name == "config.json" or f.name.endswith(skip_suffix) or f.name.endswith(".index.json"):
+            continue
+        shutil.copy2(f, Path(dst) / f.name)
 
 
 def load_tokenizer_for(cfg: Config, model_path: Path) -> Any:

@@ -167,14 +167,14 @@ class TrainingModel:
             from agentloop.train.lora import save_adapter
 
             return save_adapter(out, self.trainable_state(), self.spec.lora_config(), base_model=self.spec.model_path)
+        from agentloop.models.loading import copy_aux_files
+        from agentloop.util.fsio import replace_dir
+
         tmp = out.with_name(f".{out.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
-        for f in Path(self.spec.model_path).iterdir():
-            if f.is_file() and ("token" in f.name or f.name in ("vocab.json", "merges.txt", "chat_template.jinja")):
-                shutil.copy2(f, tmp / f.name)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        copy_aux_files(Path(self.spec.model_path), tmp)
+        replace_dir(tmp, out)
         return out
 
     def save_state(self, out: Path) -> Path:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from agentloop.util.fsio import replace_dir
 
 PEFT_PREFIX = "base_model.model."
 """PEFT's prefix of every adapter key (the base model's names follow)."""
@@ -44,6 +45,14 @@ ADAPTER_PREFIX = "agentloop-v"
 def adapter_name(version: int) -> str:
     """The name adapter version `version` is loaded under on the servers (`lora_path` of /generate)."""
     return f"{ADAPTER_PREFIX}{int(version)}"
+
+
+def adapter_name_taken(message: Any) -> bool:
+    """Whether SGLang refused an adapter load because its name is taken (its scheduler: "... because it is already
+    loaded"; its registry: "LoRA with name ... already exists"): an older load of the same version, a resumed run's
+    or an earlier run's on the same servers, which the caller unloads before loading again."""
+    text = str(message)
+    return "already loaded" in text or "already exists" in text
 
 
 def is_lora_key(key: str) -> bool:
@@ -166,14 +175,6 @@ def adapter_config(cfg: Any, base_model: str | None) -> dict[str, Any]:
             "base_model_name_or_path": base_model}
 
 
-def _replace_dir(tmp: Path, path: Path) -> None:
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, path)
-
-
 def _own(t: Any) -> Any:
     """`t`, copied only when it is a view into a larger storage (safetensors refuses tensors sharing memory). A
     copy of every tensor was most of a rank-32 0.5B adapter's save: 1008 clones took 3.0 s of 4.3 s for three
@@ -198,7 +199,7 @@ def save_adapter(path: str | Path, state: Mapping[str, Any], cfg: Any, *, dtype:
     try:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base_model), indent=1))
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -278,7 +279,7 @@ def merge_adapter_dir(base: str | Path, adapter: str | Path, out: str | Path, *,
             name = str(dtype).removeprefix("torch.")
             hf.update({k: name for k in ("dtype", "torch_dtype") if k in hf} or {"dtype": name})
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -294,6 +295,7 @@ def server_args(cfg: Any, device: str) -> list[str]:
     return args
 
 
-__all__ = ["ADAPTER_PREFIX", "PEFT_PREFIX", "adapter_config", "adapter_name", "adapter_state", "base_key",
+__all__ = ["ADAPTER_PREFIX", "PEFT_PREFIX", "adapter_config", "adapter_name", "adapter_name_taken",
+           "adapter_state", "base_key",
            "init_lora_state", "initial_adapter", "inject_lora", "is_lora_key", "lora_linear_cls", "lora_targets",
            "merge_adapter_dir", "merge_state", "read_adapter", "save_adapter", "server_args"]

@@ -1,9 +1,11 @@
-"""Atomic file writes: a reader sees the old content or the new one, never a torn file (temp + fsync + rename)."""
+"""Atomic file writes: a reader sees the old content or the new one, never a torn file (temp + fsync + rename);
+`replace_dir` does the same for a directory built beside its place."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,3 +29,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON, written atomically."""
     atomic_write_text(path, json.dumps(obj, indent=1, default=str))
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Put the finished directory `tmp` (built in `path`'s parent) at `path`: an existing `path` is moved aside
+    first and removed after, so a reader (a server loading weights) never sees a half-written directory."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, path)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -48,9 +47,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from agentloop.models.loading import copy_aux_files
 from agentloop.train.config import AlgoConfig, LearnerConfig
 from agentloop.train.probe import PROBE_TOKENS, probe_ids
 from agentloop.train.trainer.distributed import broadcast, init_distributed, resolve_device
+from agentloop.util.fsio import replace_dir
 
 # Heavy imports (torch, transformers) happen inside functions, after the config has parsed.
 __all__ = ["Learner", "lr_at", "needs_reference", "old_logprob_pass", "verl_order"]
@@ -67,15 +68,6 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
     total = cfg.total_steps or step
     progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _copy_aux_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat template...: every top-level file except weights and config.json."""
-    skip_suffix = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
-    for f in src.iterdir():
-        if not f.is_file() or f.name == "config.json" or f.name.endswith(skip_suffix) or f.name.endswith(".index.json"):
-            continue
-        shutil.copy2(f, dst / f.name)
 
 
 def old_logprob_pass(algo, cfg) -> bool:
@@ -721,15 +713,11 @@ class Learner:
                     total = sum(v.numel() * v.element_size() for v in tensors.values())
                     (tmp / "model.safetensors.index.json").write_text(
                         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-                _copy_aux_files(self.model_path, tmp)
+                copy_aux_files(self.model_path, tmp)
                 conf = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
                 conf.dtype = self.compute_dtype
                 conf.save_pretrained(tmp)
-                if path.exists():
-                    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-                    os.replace(path, old)
-                    shutil.rmtree(old, ignore_errors=True)
-                os.replace(tmp, path)
+                replace_dir(tmp, path)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

@@ -32,7 +32,7 @@ from typing import Any
 
 from agentloop.errors import RequestError
 from agentloop.train.handle.protocol import SyncRequest, UpdateResult, WeightsOnDisk
-from agentloop.train.lora import adapter_name, server_args
+from agentloop.train.lora import adapter_name, adapter_name_taken, server_args
 from agentloop.train.weights.servers import ServerHalf, TransportError
 
 
@@ -55,7 +55,7 @@ class LoraHalf(ServerHalf):
                 out = await s.admin_post(url, "/load_lora_adapter", body)
             except RequestError as e:  # SGLang 0.5.23 answers a taken name with HTTP 400
                 out = {"success": False, "error_message": str(e)}
-            taken = isinstance(out, dict) and "already loaded" in str(out.get("error_message"))
+            taken = isinstance(out, dict) and adapter_name_taken(out.get("error_message"))
             if taken and out.get("success") is False:
                 # the name is taken by an older load of this version: a resumed run's, or an earlier run's on the
                 # same servers (a killed run cannot unload its adapters)

@@ -134,7 +134,7 @@ class TensorSync(WeightSync):
         """Collective (LoRA): gather the adapter on rank 0 and load it into `urls` as adapter `agentloop-v<version>`
         (/load_lora_adapter_from_tensors, no file written), then label them `version` (/update_weight_version). The
         orchestrator holds the servers paused and unloads the older adapters afterwards (LoraHalf)."""
-        from agentloop.train.lora import adapter_config, adapter_name, adapter_state
+        from agentloop.train.lora import adapter_config, adapter_name, adapter_name_taken, adapter_state
 
         t0 = time.perf_counter()
         tensors = learner.adapter_tensors(on_device=learner.device_type == "cuda")
@@ -161,7 +161,7 @@ class TensorSync(WeightSync):
             try:
                 post_json(u, "/load_lora_adapter_from_tensors", body, self.timeout_s)
             except WeightSyncError as e:
-                if "already" not in str(e):
+                if not adapter_name_taken(e):
                     raise
                 # a resumed run on the same servers: the name is taken by an older load of this version
                 post_json(u, "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
