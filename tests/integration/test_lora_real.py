@@ -264,7 +264,13 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_with_the_readme_command(l
     servers on adapter 5, and every token of every step equal to its adapter's logprob."""
     from agentloop.train.handle.mailbox import read_batch
     from agentloop.train.trainer.checkpoint import list_checkpoints, read_meta
-    from tests.integration.test_train_resume_real import _alive, _optimizer_steps, _run_until, _tail, _wait_dead
+    from tests.integration.test_train_resume_real import (
+        _alive,
+        _optimizer_steps,
+        _run_to_end,
+        _run_until,
+        _wait_dead,
+    )
 
     url, run_dir, steps = lora_server.url, tmp_path / "run", 5
     cmd = _cli(url, tiny_model_path, run_dir, _plugin(tmp_path), f"train.steps={steps}", "train.prompts_per_step=2",
@@ -279,16 +285,7 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_with_the_readme_command(l
             (run_dir / "checkpoints" / "step-000002" / "meta.json").is_file()
             and (mailbox / "step-000004" / "batch.ready").exists()), "step 4's batch"))
         ck_at_kill = [p.name for p in list_checkpoints(run_dir / "checkpoints")]
-        with logs[1].open("wb") as log:
-            second = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        procs.append(second)
-        try:
-            rc = second.wait(timeout=400)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"resumed run did not finish:\n{_tail(logs[1])}")
-        assert rc == 0, f"resumed run failed ({rc}):\n{_tail(logs[1])}\n--- learner.log ---\n" \
-                        f"{_tail(run_dir / 'learner.log')}"
-        pids.append(int(json.loads((mailbox / "learner.json").read_text())["pid"]))
+        pids.append(_run_to_end(cmd, env, logs[1], procs, run_dir, 400))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -18,12 +18,15 @@ node_a, the learner to node_b, the driver (the CLI) in a third place. Real SGLan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,10 +82,16 @@ def _files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file()]
 
 
-def _ray():
+@contextlib.contextmanager
+def _connected(nodes: RayNodes) -> Iterator[Any]:
+    """The `ray` module, connected to the test cluster for the block (a driver of its own beside the run's)."""
     import ray
 
-    return ray
+    ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, tiny_model_path, tmp_path):
@@ -90,20 +99,16 @@ def test_two_steps_across_two_nodes_survive_a_server_killed_mid_rollout(nodes, t
     plugin.write_text(REWARD)
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "server.num_local=2",
                "sampling.max_new_tokens=400", "learner.checkpoint_every=null")
-    ray = _ray()
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
     try:
         # step 2's batch is taken and step 3's groups were just admitted (async, η = 1), each generating up to
         # 400 tokens: kill a server's actor now, while they run
         _wait(proc, log, lambda: (run_dir / "rollouts" / "step-000002.jsonl").is_file(), "step 2's records")
-        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
-        try:
+        with _connected(nodes) as ray:
             victim = ray.get_actor(f"agentloop-{run_dir.name}-server1")
             killed_url = ray.get(victim.info.remote())["url"]
             ray.kill(victim)  # for good (no_restart): the run goes on with the other server
-        finally:
-            ray.shutdown()
         assert proc.wait(600) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -173,12 +178,8 @@ def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, ti
     try:
         if mode == "abort":
             _wait(proc, log, lambda: _both_journaled(run_dir), "both workers' journaled calls")
-            ray = _ray()
-            ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
-            try:
+            with _connected(nodes) as ray:
                 ray.kill(ray.get_actor(f"agentloop-{run_dir.name}-rollout0"), no_restart=True)
-            finally:
-                ray.shutdown()
         assert proc.wait(600) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -218,17 +219,13 @@ def test_a_killed_learner_actor_fails_the_run_clearly_and_its_checkpoint_resumes
     learner_dir = nodes.b / "learner" / run_dir.name
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=4", "sampling.max_new_tokens=6",
                "learner.checkpoint_every=2")
-    ray = _ray()
     with logs[0].open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
     try:
         # step 2's row logged: its checkpoint is complete (written before the step's update, CPU: synchronously)
         _wait(proc, logs[0], lambda: len(_lines(run_dir / "metrics.jsonl")) >= 2, "step 2's row")
-        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
-        try:
+        with _connected(nodes) as ray:
             ray.kill(ray.get_actor(f"agentloop-{run_dir.name}-learner-rank0"))
-        finally:
-            ray.shutdown()
         rc = proc.wait(300)
     finally:
         if proc.poll() is None:
@@ -275,13 +272,11 @@ def test_a_server_actor_ray_restarts_is_readmitted_only_once_it_serves_the_curre
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "server.num_local=2",
                "sampling.max_new_tokens=6", "learner.checkpoint_every=null", "reward.timeout_s=900",
                "cluster.server_restarts=1", "train.schedule=sync")
-    ray = _ray()
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(nodes))
     try:
         _wait(proc, log, lambda: len(_lines(run_dir / "metrics.jsonl")) >= 1, "step 1's row")
-        ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
-        try:
+        with _connected(nodes) as ray:
             name = f"agentloop-{run_dir.name}-server1"
             before = ray.get(ray.get_actor(name).info.remote())
             ray.kill(ray.get_actor(name), no_restart=False)  # Ray restarts it (cluster.server_restarts=1)
@@ -289,8 +284,6 @@ def test_a_server_actor_ray_restarts_is_readmitted_only_once_it_serves_the_curre
             _wait(proc, log, lambda: f"server {url} re-admitted at version 1" in log.read_text(),
                   "the restarted server's re-admission")
             after = ray.get(ray.get_actor(name).info.remote(), timeout=60)
-        finally:
-            ray.shutdown()
         stall.unlink()
         assert proc.wait(600) == 0, log.read_text()[-4000:]
     finally:
@@ -329,9 +322,7 @@ def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(node
 
     cfg = load_config(None, ["cluster.backend=ray", f"cluster.address={nodes.address}", "learner.ranks=2",
                              "cluster.placement=spread", "learner.device=cpu"])
-    ray = _ray()
-    ray.init(address=nodes.address, namespace="agentloop", log_to_driver=False)
-    try:
+    with _connected(nodes):
         learner = RayLearner(cfg, tmp_path, tmp_path / "model", run="agentloop-spread", gpus=0)
 
         async def start_and_close() -> None:
@@ -347,5 +338,3 @@ def test_learner_ranks_on_two_nodes_without_a_shared_filesystem_are_refused(node
 
         assert all(g["state"] == "REMOVED" for g in placement_group_table().values()
                    if g["name"] == "agentloop-spread-learner")
-    finally:
-        ray.shutdown()

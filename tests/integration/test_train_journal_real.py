@@ -23,7 +23,7 @@ from agentloop.journal.reader import read_journal
 from agentloop.records import read_records
 from agentloop.train.handle.mailbox import read_batch
 from agentloop.train.trainer.checkpoint import list_checkpoints, read_meta
-from tests.integration.test_train_resume_real import _alive, _killpg, _lines, _load, _tail
+from tests.integration.test_train_resume_real import _alive, _killpg, _lines, _load, _run_to_end, _tail
 
 STEPS, PROMPTS, SAMPLES = 4, 2, 2
 
@@ -89,15 +89,7 @@ def test_a_killed_async_run_goes_on_from_its_journal(sglang_server, tiny_model_p
         first.wait(30)
         at_kill = read_journal(run_dir / "journal")
         stall.unlink()
-        with logs[1].open("wb") as log:
-            second = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        procs.append(second)
-        try:
-            rc = second.wait(timeout=500)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the resumed run did not finish:\n{_tail(logs[1])}")
-        assert rc == 0, f"resumed run failed ({rc}):\n{_tail(logs[1])}\n{_tail(run_dir / 'learner.log')}"
-        learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
+        learner_pids.append(_run_to_end(cmd, env, logs[1], procs, run_dir, 500))
     finally:
         stall.unlink(missing_ok=True)
         for p in procs:

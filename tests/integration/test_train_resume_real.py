@@ -114,6 +114,22 @@ def _stop_all(procs: list, learner_pids: list[int], url: str, model_path: Path) 
     asyncio.run(_load(url, str(model_path)))
 
 
+def _run_to_end(cmd: list[str], env: dict[str, str], log_path: Path, procs: list, run_dir: Path,
+                timeout: float) -> int:
+    """Run `cmd` (the resumed run) in a session of its own to its end, which must be exit 0 within `timeout`;
+    return its learner's pid (learner.json)."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    procs.append(proc)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"resumed run did not finish:\n{_tail(log_path)}")
+    assert rc == 0, f"resumed run failed ({rc}):\n{_tail(log_path)}\n--- learner.log ---\n" \
+                    f"{_tail(run_dir / 'learner.log')}"
+    return int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"])
+
+
 def _run_until(cmd: list[str], env: dict[str, str], log_path: Path, procs: list, until, what: str) -> int:
     """Start `cmd` in a session of its own; once `until()` holds, SIGKILL its process group and
     return the learner's pid (read from learner.json before the kill)."""
@@ -295,16 +311,7 @@ def test_killed_at_step_9_resumes_from_checkpoint_5_with_the_readme_command(sgla
         t_kill = time.monotonic() - t0
         assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-000005"]
         assert (run_dir / "weights" / "step-000005").is_dir(), "the newest checkpoint's weights were pruned"
-        with logs[1].open("wb") as log:
-            second = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        procs.append(second)
-        try:
-            rc = second.wait(timeout=500)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"resumed run did not finish:\n{_tail(logs[1])}")
-        assert rc == 0, f"resumed run failed ({rc}):\n{_tail(logs[1])}\n--- learner.log ---\n" \
-                        f"{_tail(run_dir / 'learner.log')}"
-        learner_pids.append(int(json.loads((mailbox / "learner.json").read_text())["pid"]))
+        learner_pids.append(_run_to_end(cmd, env, logs[1], procs, run_dir, 500))
     finally:
         _stop_all(procs, learner_pids, url, tiny_model_path)
     print(f"killed at {t_kill:.1f}s, total {time.monotonic() - t0:.1f}s")

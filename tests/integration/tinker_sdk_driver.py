@@ -19,6 +19,18 @@ def datum(ids: list[int], weights: list[float] | None = None) -> types.Datum:
                        loss_fn_inputs={"target_tokens": ids[1:], "weights": w})
 
 
+def train_steps(tc, batch: list[types.Datum], lr: float, steps: int) -> list[float]:
+    """`steps` rounds of cross-entropy forward_backward + optim_step on `batch`, sent back to back as a recipe
+    does; each round's loss:sum."""
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(batch, "cross_entropy")
+        op = tc.optim_step(types.AdamParams(learning_rate=lr))
+        losses.append(fb.result().metrics["loss:sum"])
+        op.result()
+    return losses
+
+
 def main(url: str) -> None:
     out: dict = {}
     sc = tinker.ServiceClient(base_url=url)
@@ -27,13 +39,7 @@ def main(url: str) -> None:
     tok = tc.get_tokenizer()
     texts = ["What is 2 + 3? The answer is 5.", "The cat sat on the mat and slept."]
     batch = [datum(tok.encode(t)) for t in texts]
-    losses = []
-    for _ in range(4):
-        fb = tc.forward_backward(batch, "cross_entropy")
-        op = tc.optim_step(types.AdamParams(learning_rate=5e-3))
-        losses.append(fb.result().metrics["loss:sum"])
-        op.result()
-    out["ce_losses"] = losses
+    out["ce_losses"] = train_steps(tc, batch, 5e-3, 4)
 
     # sampled logprobs of the saved weights vs a forward pass of the same tokens
     path = tc.save_weights_for_sampler("s1").result().path
@@ -108,13 +114,7 @@ def main(url: str) -> None:
     # agentloop's extension: full weights (every weight trained; the sampler weights an HF directory the server
     # loads from disk), then the LoRA sampler again (the server's base weights are switched back for it)
     tf = sc.create_lora_training_client(base_model=base, rank=8, user_metadata={"agentloop_full_weights": "true"})
-    full = []
-    for _ in range(3):
-        fb = tf.forward_backward(batch, "cross_entropy")
-        op = tf.optim_step(types.AdamParams(learning_rate=1e-3))
-        full.append(fb.result().metrics["loss:sum"])
-        op.result()
-    out["full_ce_losses"] = full
+    out["full_ce_losses"] = train_steps(tf, batch, 1e-3, 3)
     fsampler = sc.create_sampling_client(model_path=tf.save_weights_for_sampler("full1").result().path)
     fres = fsampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
                            sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=5)).result()
