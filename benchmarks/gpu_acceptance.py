@@ -26,8 +26,12 @@ paths that need two GPUs. Rows:
     learner-1rank-S      `agentloop bench train` (varlen + compile), S = 0.5b and 1.5b shapes, one rank: MFU
     tinker-0.5b          the Tinker service, 0.5B shape, GPU 1: benchmarks/tinker_overhead.py (SDK round trip vs the
                          backend directly, < 5%), then `agentloop tinker serve --device cuda` and the SDK's own calls
-                         (tests/integration/tinker_sdk_driver.py): the loss falls, sampled = trained logprobs
-    lora-0.5b            benchmarks/lora_bench.py, 0.5B shape, GPU 1, one LoRA-serving server: the learner's peak
+                         (tests/integration/tinker_sdk_driver.py): the loss falls, sampled = trained logprobs;
+                         then tinker-cookbook 0.6.1 unchanged against it: its math_rl recipe (arithmetic, 3 steps,
+                         sampler-vs-trainer KL ~0) and its SFT loop (NLL falls)
+    resume-journal-tensor  as part two's resume-journal with learner.weight_sync=tensor, server and learner on GPU 0
+                         (the one-GPU machine's journal resume)
+    lora-0.5b, lora-1.5b benchmarks/lora_bench.py, 0.5B shape, GPU 1, one LoRA-serving server: the learner's peak
                          memory and step time and the push of full weights vs a rank-32 adapter, by weight_sync
                          tensor (CUDA IPC: /update_weights_from_tensor vs /load_lora_adapter_from_tensors) and by
                          disk (save + server load); LoRA's peak below full weights', its tensor push < 0.05 s
@@ -56,6 +60,7 @@ written after each one, and at ACC_HARD_S (budget + 45 s) with the logs, so a ca
 
 Env: ACC_COMMIT (the commit, when the tree has no .git), ACC_SERVER_ARGS (extra SGLang flags, default the offline
 bundle's: triton attention, pytorch sampling, no grammar backend), ACC_ROWS (comma list: only these rows),
+On a machine with one GPU, part one's rows run one after another on it (every GPU index is GPU 0).
 ACC_SMOKE=1 (the harness itself on the CPU: tiny model, CPU SGLang, disk sync, small sizes; GPU-only rows skip).
 """
 
@@ -203,7 +208,7 @@ class Acceptance:
     def card(self, gpus: str) -> str:
         if self.smoke or not self.cards:
             return "CPU (smoke)" if self.smoke else "?"
-        idx = [int(g) for g in gpus.split(",") if g.strip().isdigit()]
+        idx = [0 if len(self.cards) == 1 else int(g) for g in gpus.split(",") if g.strip().isdigit()]
         names = sorted({self.cards[i].split(",")[0] for i in idx if i < len(self.cards)})
         return f"{' + '.join(names)} (GPU {gpus} of {len(self.cards)})"
 
@@ -219,7 +224,8 @@ class Acceptance:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         if gpus is not None and not self.smoke:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
+            # a one-GPU machine runs part one's rows one after another on its only GPU
+            env["CUDA_VISIBLE_DEVICES"] = "0" if len(self.cards) == 1 else gpus
         env.update(extra)
         return env
 
@@ -282,7 +288,8 @@ class Acceptance:
         smoke run's server gets (it gets none of `extra`)."""
         from agentloop.inference.launcher import LocalServer
 
-        spec = LocalServer(model, device=self.device, gpu_id=None if self.smoke else gpu,
+        gpu_id = None if self.smoke else 0 if len(self.cards) == 1 else gpu
+        spec = LocalServer(model, device=self.device, gpu_id=gpu_id,
                            max_total_tokens=32768 if self.smoke else tokens,
                            mem_fraction_static=None if self.smoke else mem,
                            extra_args=[*self.server_args, *extra] if not self.smoke else list(smoke_extra),
@@ -429,7 +436,8 @@ class Rows:
         name = "tiny" if self.acc.smoke else name
         with self._models_lock:
             if name not in self._models:
-                self._models[name] = build_model("tiny" if name == "tiny" else "qwen2.5-0.5b-shape")
+                self._models[name] = build_model({"tiny": "tiny", "q05": "qwen2.5-0.5b-shape",
+                                                  "q15": "qwen2.5-1.5b-shape"}[name])
             return self._models[name]
 
     # ---- resume after SIGKILL, then the final weights in `agentloop rollout`
@@ -500,19 +508,20 @@ class Rows:
 
     # ---- the episode journal: killed with episodes in flight, resumed from where they stood
 
-    def resume_journal(self, r: Row, server_gpu: int, learner_gpu: int) -> None:
+    def resume_journal(self, r: Row, server_gpu: int, learner_gpu: int, sync: str = "nccl") -> None:
         from agentloop.journal.reader import read_journal
         from agentloop.train.handle.mailbox import read_batch
         from agentloop.train.trainer.checkpoint import list_checkpoints, read_meta
 
         acc = self.acc
-        run = acc.work / "resume-journal"
+        run = acc.work / f"resume-journal-{sync}"
         log = Path(r.log)
-        srv = acc.server(self.model("tiny"), server_gpu, acc.logs / "resume-journal-server.log", mem=0.85,
+        srv = acc.server(self.model("tiny"), server_gpu, acc.logs / f"resume-journal-{sync}-server.log",
+                         mem=0.85 if server_gpu != learner_gpu else 0.6,
                          tokens=131072, extra=["--disable-cuda-graph"])
         steps = 6 if acc.smoke else 8
         try:
-            sync_args = [] if acc.smoke else ["learner.weight_sync=nccl", f"learner.gpus=[{learner_gpu}]"]
+            sync_args = [] if acc.smoke else [f"learner.weight_sync={sync}", f"learner.gpus=[{learner_gpu}]"]
             # on the GPU a tiny-model step's rollout of 32 x 256 tokens took under a second (call 10): the run ended
             # before the harness saw journaled episodes beside step 2's batch, so the rollouts are made longer
             longer = [] if acc.smoke else ["train.prompts_per_step=32", "sampling.max_new_tokens=1024"]
@@ -538,7 +547,7 @@ class Rows:
                 finally:
                     _kill_group(p)
                 fh.write(b"\n[acceptance: SIGKILL to the run's process group]\n")
-            restarted_server = not acc.smoke and srv.restart_if_blocked(log)
+            restarted_server = sync == "nccl" and not acc.smoke and srv.restart_if_blocked(log)
             t = time.monotonic()
             rc = acc.cli(["train", "--quiet", "--run-dir", str(run)], log, 400)  # the README's resume command
             if rc != 0:
@@ -773,7 +782,7 @@ class Rows:
 
     # ---- LoRA against full weights: learner memory, step time, the push
 
-    def lora(self, r: Row, gpu: int) -> None:
+    def lora(self, r: Row, gpu: int, shape: str = "q05") -> None:
         """benchmarks/lora_bench.py on the 0.5B shape (the tiny model on the CPU) against one LoRA-serving server:
         the learner's peak memory and step time, and the push (save + server load) of full weights and of a rank-32
         adapter. Targets (issue 32): LoRA's push < 0.05 s at rank 32, its learner peak below full weights'."""
@@ -782,11 +791,12 @@ class Rows:
 
         acc = self.acc
         lora = LoraConfig(enabled=True, rank=32 if not acc.smoke else 8, alpha=64)
-        model = self.model("q05")
-        srv = acc.server(model, gpu, acc.logs / "lora-0.5b-server.log", mem=0.4, tokens=65536,
+        model = self.model(shape)
+        size = "1.5b" if shape == "q15" else "0.5b"
+        srv = acc.server(model, gpu, acc.logs / f"lora-{size}-server.log", mem=0.4, tokens=65536,
                          extra=["--disable-cuda-graph", *server_args(lora, "cuda")],
                          smoke_extra=server_args(lora, "cpu"))
-        out = acc.work / "lora-0.5b.json"
+        out = acc.work / f"lora-{size}.json"
         try:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_bench.py"), "--model", str(model), "--server-url",
                    srv.url, "--out", str(out), "--rank", str(lora.rank),
@@ -873,19 +883,25 @@ class Rows:
             if p.returncode != 0 or "RESULT " not in p.stdout:
                 raise Failed(f"the SDK driver exited {p.returncode}")
             res = json.loads(p.stdout.split("RESULT ", 1)[1])
+            cookbook = self._cookbook(url, model, work, env, log)
         finally:
             if serve is not None:
                 _kill_group(serve)
                 serve.stdout.close()
             srv.stop()
         ce = res["ce_losses"]
-        r.data = {"overhead": ov, "ratio": ratio, "driver": res}
+        r.data = {"overhead": ov, "ratio": ratio, "driver": res, "cookbook": cookbook}
         r.figure = (f"round trip through the SDK {ov['sdk_median_s'] * 1e3:.1f} ms vs the backend directly "
                     f"{ov['direct_median_s'] * 1e3:.1f} ms: overhead {100 * (ratio - 1):+.1f}% ({ov['batch']} x "
                     f"{ov['seq_len']} tokens, LoRA r{ov['lora_rank']}); the SDK's calls on the service: cross-entropy "
                     f"{ce[0]:.2f} -> {ce[-1]:.2f}, sampled logprobs vs the training model's forward "
                     f"{res['sample_logprob_diff']:.1e}, importance sampling {res['is_server']:.4g} vs "
-                    f"{res['is_hand']:.4g} by hand")
+                    f"{res['is_hand']:.4g} by hand; tinker-cookbook 0.6.1 unchanged: math_rl (arithmetic, "
+                    f"importance_sampling) {len(cookbook['rl_rewards'])} steps, reward "
+                    f"{', '.join(f'{x:.2f}' for x in cookbook['rl_rewards'])}, kl_sample_train_v1 max "
+                    f"{cookbook['rl_kl_max']:.1e}; its SFT loop's NLL {cookbook['sft_nll'][0]:.2f} -> "
+                    f"{cookbook['sft_nll'][-1]:.2f}" + (" (datasets: benchmarks/gpu_shims' stand-in, never used)"
+                                                        if cookbook["datasets_standin"] else ""))
         if not ce[-1] < ce[0]:
             raise Failed("training through the SDK did not lower the loss: " + r.figure)
         if abs(res["is_server"] - res["is_hand"]) > 1e-2 * max(1.0, abs(res["is_hand"])):
@@ -894,6 +910,51 @@ class Rows:
             raise Failed("the sampled logprobs are not the training model's: " + r.figure)
         if not acc.smoke and ratio >= 1.05:
             raise Failed("the service's round trip costs >= 5% over the backend (target < 5% at 0.5B): " + r.figure)
+        if len(cookbook["rl_rewards"]) != 3 or cookbook["rl_kl_max"] > (5e-2 if not acc.smoke else 1e-3):
+            raise Failed("the cookbook's math_rl recipe: not 3 steps, or its sampler-vs-trainer KL is not ~0: "
+                         + r.figure)
+        if not cookbook["sft_nll"][-1] < cookbook["sft_nll"][0]:
+            raise Failed("the cookbook's SFT loop did not lower its NLL: " + r.figure)
+
+    def _cookbook(self, url: str, model: Path, work: Path, env: dict[str, str], log: Path) -> dict[str, Any]:
+        """tinker-cookbook 0.6.1's math_rl recipe (its own CLI, the arithmetic env) and its SFT loop
+        (tests/integration/tinker_cookbook_driver.py) against the service at `url`, as the CPU suite runs them. Where
+        `import datasets` fails (the offline GPU machines lack it and pyarrow), benchmarks/gpu_shims' stand-in lets
+        the cookbook's modules import (ACC_DATASETS_STANDIN=1 forces it, to try that path on the CPU)."""
+        env = dict(env)
+        probe = subprocess.run([sys.executable, "-c", "import datasets"], env=env, capture_output=True)
+        standin = probe.returncode != 0 or os.environ.get("ACC_DATASETS_STANDIN") == "1"
+        if standin:
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "gpu_shims"), env.get("PYTHONPATH", "")])
+        small = self.acc.smoke
+        rl_log, sft_log = work / "cookbook-rl", work / "cookbook-sft"
+        steps = [
+            [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model}",
+             "renderer_name=role_colon", "env=arithmetic", f"group_size={4 if small else 8}",
+             f"groups_per_batch={2 if small else 8}", f"max_tokens={8 if small else 16}",
+             f"lora_rank={8 if small else 32}", "learning_rate=1e-3", "max_steps=3", "eval_every=0", "save_every=0",
+             "loss_fn=importance_sampling", f"base_url={url}", f"log_path={rl_log}",
+             "behavior_if_log_dir_exists=delete"],
+            [sys.executable, str(ROOT / "tests" / "integration" / "tinker_cookbook_driver.py"), "sft", url, str(model),
+             str(sft_log), str(work / "conversations.jsonl")],
+        ]
+        for cmd in steps:
+            with log.open("ab") as fh:
+                fh.write(("$ " + shlex.join(cmd) + "\n").encode())
+                fh.flush()
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                    timeout=240).returncode
+            if rc != 0:
+                raise Failed(f"tinker-cookbook: {shlex.join(cmd[1:4])} exited {rc}")
+
+        def metrics(d: Path) -> list[dict[str, Any]]:
+            return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+        rl = [m for m in metrics(rl_log) if "env/all/reward/total" in m]
+        return {"datasets_standin": standin,
+                "rl_rewards": [m["env/all/reward/total"] for m in rl],
+                "rl_kl_max": max((abs(m["optim/kl_sample_train_v1"]) for m in rl), default=float("inf")),
+                "sft_nll": [m["train_mean_nll"] for m in metrics(sft_log) if "train_mean_nll" in m]}
 
     # ---- the learner alone
 
@@ -1044,6 +1105,8 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
         resume.start()
         _interrupts(acc, rows, "tensor", 0, 0, "0")
         resume.join()
+        acc.row("resume-journal-tensor", "SIGKILL with journaled episodes in flight, resume from the journal "
+                "(tensor, server and learner on GPU 0)", 200, "0", lambda r: rows.resume_journal(r, 0, 0, "tensor"))
         acc.row("ray-cost-1gpu", "local vs Ray, server + learner colocated on one GPU (tensor)", 200, "0",
                 lambda r: rows.cost(r, "colocated"))
         acc.row("learner-1rank-0.5b", "bench train, varlen + compile, one rank, 0.5B shape", 90, "0",
@@ -1065,6 +1128,8 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
                 lambda r: rows.learner(r, 1, "qwen2.5-1.5b-shape", "1"))
         acc.row("lora-0.5b", "LoRA rank 32 vs full weights, 0.5B shape: learner memory, step, push", 150, "1",
                 lambda r: rows.lora(r, 1))
+        acc.row("lora-1.5b", "LoRA rank 32 vs full weights, 1.5B shape: learner memory, step, push", 200, "1",
+                lambda r: rows.lora(r, 1, "q15"))
         acc.row("tinker-0.5b", "the Tinker service, 0.5B shape: SDK round trip vs the backend, the SDK's calls",
                 180, "1", lambda r: rows.tinker(r, 1))
 
@@ -1077,6 +1142,8 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
     threads = [threading.Thread(target=stream_a), threading.Thread(target=stream_b)]
     for t in threads:
         t.start()
+        if len(acc.cards) == 1:  # one GPU: the streams one after another, not side by side on it
+            t.join()
     for t in threads:
         t.join()
     if not acc.smoke:

@@ -26,9 +26,13 @@ if [ -f .gpu-stage/site.tar.xz ]; then
   fi
   export PYTHONPATH=/tmp/site:$PWD/.gpu-stage/shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
   # the tinker SDK and what it needs beyond the machine's own packages: last on the path, so the machine's win
+  # (and tinker-cookbook with what its recipes import, when staged)
   if [ -f .gpu-stage/tinker.tar.xz ] && [ ! -f /tmp/site-tinker/.agentloop-staged ]; then
-    mkdir -p /tmp/site-tinker && xz -d -T0 < .gpu-stage/tinker.tar.xz | tar xf - -C /tmp/site-tinker \
-      && touch /tmp/site-tinker/.agentloop-staged
+    mkdir -p /tmp/site-tinker
+    for a in .gpu-stage/tinker.tar.xz .gpu-stage/cookbook.tar.xz; do
+      [ -f "$a" ] && { xz -d -T0 < "$a" | tar xf - -C /tmp/site-tinker || { echo "unpacking $a failed"; exit 1; }; }
+    done
+    touch /tmp/site-tinker/.agentloop-staged
   fi
   [ -d /tmp/site-tinker ] && export PYTHONPATH=$PYTHONPATH:/tmp/site-tinker
   python3 -c "import torch, sglang; print('sglang', sglang.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" \

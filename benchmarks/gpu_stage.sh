@@ -51,4 +51,20 @@ pyyaml|tqdm|typer|shellingham|packaging|typing_extensions|typing_inspection|anno
   strip --strip-unneeded "$tmp"/tinker/pyqwest/_pyqwest.abi3.so "$tmp"/tinker/zstandard/backend_c.*.so
   tar cf - -C "$tmp/tinker" . | xz -9 -T0 > "$STAGE/tinker.tar.xz"
 fi
+if [ ! -f "$STAGE/cookbook.tar.xz" ]; then
+  # tinker-cookbook 0.6.1 (the acceptance's tinker row runs its math_rl recipe and SFT loop on the GPU) and the small
+  # packages its recipes import that a GPU machine's stack lacks. Not staged: datasets with pyarrow and pandas (~70 MB
+  # of wheels, past one call's carry); where the machine lacks them the row uses benchmarks/gpu_shims/datasets, a
+  # stand-in that lets the cookbook's modules import and refuses any use (the arithmetic env and the SFT driver's
+  # in-memory dataset never use it).
+  PY=${PYTHON:-.venv/bin/python}
+  "$PY" -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$tmp/cwhl" tinker-cookbook==0.6.1 \
+      chz==0.4.0 pyrage==1.4.0 termcolor==3.3.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 pylatexenc==2.11 \
+      antlr4-python3-runtime==4.13.2 blobfile==3.0.0 lxml==6.1.3 pycryptodomex==3.24.2 cloudpickle==3.1.3 \
+      rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
+  mkdir -p "$tmp/cookbook"
+  for w in "$tmp"/cwhl/*.whl; do unzip -q -o "$w" -d "$tmp/cookbook"; done
+  tar cf - -C "$tmp/cookbook" . | xz -9 -T0 > "$STAGE/cookbook.tar.xz"
+fi
 du -sh "$STAGE"/*

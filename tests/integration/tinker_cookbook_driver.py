@@ -26,6 +26,7 @@ import sys
 def sft(url: str, model: str, log_path: str, data: str, steps: int = 4) -> None:
     from pathlib import Path
 
+    import datasets
     import tinker_cookbook
     from tinker_cookbook.renderers import TrainOnWhat
     from tinker_cookbook.supervised import train
@@ -38,12 +39,53 @@ def sft(url: str, model: str, log_path: str, data: str, steps: int = 4) -> None:
     common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=model, renderer_name="role_colon",
                                             max_length=256, batch_size=4,
                                             train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
+    builder = FromConversationFileBuilder(common_config=common, file_path=data, test_size=2)
+    if getattr(datasets, "__agentloop_standin__", False):  # an offline GPU machine without datasets (gpu_shims)
+        builder = _in_memory_builder()(common_config=common, file_path=data, test_size=2)
     config = train.Config(log_path=log_path, model_name=model, recipe_name="recipe_sl_basic",
                           renderer_name="role_colon", base_url=url, lora_rank=8, learning_rate=5e-3,
                           lr_schedule="constant", num_epochs=steps, max_steps=steps, save_every=2,
                           eval_every=2,
-                          dataset_builder=FromConversationFileBuilder(common_config=common, file_path=data, test_size=2))
+                          dataset_builder=builder)
     asyncio.run(train.main(config))
+
+
+def _in_memory_builder():
+    """FromConversationFileBuilder's split and batching without `datasets` (the offline GPU machines lack it and
+    pyarrow): the same file, the cookbook's own conversation_to_datum and renderer, the first `test_size`
+    conversations held out (FromConversationFileBuilder shuffles first; the sizes here make that moot)."""
+    import json
+
+    import chz
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    from tinker_cookbook.supervised.types import ChatDatasetBuilder, SupervisedDataset
+
+    class Batches(SupervisedDataset):
+        def __init__(self, datums: list, batch_size: int) -> None:
+            self.datums, self.batch_size = datums, batch_size
+
+        def get_batch(self, index: int) -> list:
+            return self.datums[index * self.batch_size:(index + 1) * self.batch_size]
+
+        def __len__(self) -> int:
+            return len(self.datums) // self.batch_size
+
+        def set_epoch(self, seed: int = 0) -> None:
+            pass
+
+    @chz.chz
+    class InMemory(ChatDatasetBuilder):
+        file_path: str
+        test_size: int = 0
+
+        def __call__(self):
+            cfg = self.common_config
+            convs = [json.loads(ln)["messages"] for ln in open(self.file_path) if ln.strip()]
+            datums = [conversation_to_datum(c, self.renderer, cfg.max_length, cfg.train_on_what) for c in convs]
+            test, train = datums[:self.test_size], datums[self.test_size:]
+            return Batches(train, cfg.batch_size), (Batches(test, len(test)) if test else None)
+
+    return InMemory
 
 
 def rollout(url: str, model: str) -> None:
