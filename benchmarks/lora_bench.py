@@ -107,17 +107,19 @@ def _tensor_pushes(mode: str, a: argparse.Namespace, learner) -> float | None:
     sync = TensorSync(timeout_s=600.0)
     if mode == "full" and a.device != "cuda":
         return None
-    times = []
+    times, parts = [], []
     for i in range(3):
         t = time.perf_counter()
         if mode == "lora":
-            sync.push_adapter(learner, urls=[a.server_url], version=2000 + i)
+            parts.append(sync.push_adapter(learner, urls=[a.server_url], version=2000 + i))
         else:
-            sync.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=0,
-                      urls=[a.server_url], version=None)
+            parts.append(sync.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=0,
+                                   urls=[a.server_url], version=None))
         times.append(time.perf_counter() - t)
         if mode == "lora":
             _post(a.server_url, "/unload_lora_adapter", {"lora_name": adapter_name(2000 + i)})
+    print(f"{mode}: weight_sync=tensor pushes {[round(x * 1e3, 1) for x in times]} ms; their parts (s): {parts}",
+          flush=True)
     return statistics.median(times)
 
 

@@ -5,8 +5,11 @@ shape, side by side in one run (alternating rounds, so load on the machine hits 
     python benchmarks/tinker_overhead.py --model tiny --device cpu --out benchmarks/results_tinker
     python benchmarks/tinker_overhead.py --model qwen2.5-0.5b-shape --device cuda --out DIR   (random weights)
 
-Needs the tinker SDK (`agentloop[tinker]`). No SGLang server: only training calls are timed. Prints the medians
-and the ratio (sdk / direct); writes tinker_overhead_<model>_<device>.json to --out.
+The service runs in a process of its own, as `agentloop tinker serve` does (this script started again with
+--serve, without a sampler), and the SDK and the direct backend in this one: in one process the SDK's thread, the
+service's event loop and its training thread would share one interpreter lock, a cost no deployment pays (--in-process
+measures that way). Needs the tinker SDK (`agentloop[tinker]`). No SGLang server: only training calls are timed.
+Prints the medians and the ratio (sdk / direct); writes tinker_overhead_<model>_<device>.json to --out.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +36,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank")
     ap.add_argument("--out", default="benchmarks/results_tinker", help="directory of the JSON result")
+    ap.add_argument("--in-process", action="store_true", help="the service in this process (a thread of its own)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the service's own process
     args = ap.parse_args()
 
     import numpy as np
@@ -59,10 +66,31 @@ def main() -> None:
         holder["runner"], holder["port"] = runner, runner.addresses[0][1]
         started.set()
 
-    thread = threading.Thread(target=lambda: (loop.run_until_complete(up()), loop.run_forever()), daemon=True)
-    thread.start()
-    if not started.wait(120):
-        raise SystemExit("the service did not start in 120 s")
+    if args.serve:  # the service's process: say the port, serve until the parent closes our stdin
+        loop.run_until_complete(up())
+        print(f"PORT {holder['port']}", flush=True)
+
+        async def until_stdin_closes() -> None:
+            await loop.run_in_executor(None, sys.stdin.read)
+            await service.close()
+            await holder["runner"].cleanup()
+
+        loop.run_until_complete(until_stdin_closes())
+        return
+    child = None
+    if args.in_process:
+        thread = threading.Thread(target=lambda: (loop.run_until_complete(up()), loop.run_forever()), daemon=True)
+        thread.start()
+        if not started.wait(120):
+            raise SystemExit("the service did not start in 120 s")
+    else:
+        child = subprocess.Popen([sys.executable, __file__, "--serve", "--model", args.model, "--device", args.device,
+                                  "--dtype", args.dtype, "--rank", str(args.rank), "--out", args.out],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = child.stdout.readline()
+        if not line.startswith("PORT "):
+            raise SystemExit(f"the service's process did not start: {line!r}")
+        holder["port"] = int(line.split()[1])
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 
@@ -115,6 +143,7 @@ def main() -> None:
         direct_t.append(direct_round())
     sdk_m, direct_m = statistics.median(sdk_t), statistics.median(direct_t)
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "batch": args.batch,
+              "service": "in-process" if args.in_process else "own process",
               "seq_len": args.seq_len, "lora_rank": args.rank, "rounds": args.rounds,
               "sdk_round_s": sdk_t, "direct_round_s": direct_t, "sdk_median_s": sdk_m, "direct_median_s": direct_m,
               "ratio": sdk_m / direct_m, "overhead_pct": 100 * (sdk_m / direct_m - 1)}
@@ -126,6 +155,11 @@ def main() -> None:
           f"LoRA r{args.rank}: through the SDK {sdk_m * 1000:.1f} ms, direct {direct_m * 1000:.1f} ms, ratio "
           f"{sdk_m / direct_m:.3f} ({result['overhead_pct']:+.1f}%) -> {path}")
     sc.close("success")
+    if child is not None:
+        child.stdin.close()
+        child.wait(60)
+        child.stdout.close()
+        return
     asyncio.run_coroutine_threadsafe(service.close(), loop).result(60)
     asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(60)
     loop.call_soon_threadsafe(loop.stop)

@@ -155,9 +155,12 @@ class TensorSync(WeightSync):
         payload, flat = serialize_adapter(peft)
         t_ser = time.perf_counter() - t
 
+        load_s: list[float] = []
+
         def load(u: str) -> None:
             body = {"lora_name": name, "config_dict": conf, "serialized_named_tensors": [payload] * self._tp[u],
                     "load_format": "flattened_bucket"}
+            t_load = time.perf_counter()
             try:
                 post_json(u, "/load_lora_adapter_from_tensors", body, self.timeout_s)
             except WeightSyncError as e:
@@ -166,6 +169,7 @@ class TensorSync(WeightSync):
                 # a resumed run on the same servers: the name is taken by an older load of this version
                 post_json(u, "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
                 post_json(u, "/load_lora_adapter_from_tensors", body, self.timeout_s)
+            load_s.append(time.perf_counter() - t_load)
             post_json(u, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
                       self.timeout_s)
 
@@ -174,7 +178,8 @@ class TensorSync(WeightSync):
             _gather_calls(pool, [pool.submit(load, u) for u in urls], self.timeout_s)
         del tensors, peft, flat  # the servers copied the adapter out (to their host memory) before answering
         return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s, "sync/serialize_s": t_ser,
-                "sync/send_s": time.perf_counter() - t, "sync/adapter_mb": len(payload) / 2**20}
+                "sync/send_s": time.perf_counter() - t, "sync/load_s": max(load_s, default=0.0),
+                "sync/adapter_mb": len(payload) / 2**20}
 
     def push(self, model: Any, *, dtype: Any, device: Any, rank: int, urls: Sequence[str],
              version: str | None, flush_cache: bool = False) -> dict[str, float]:
