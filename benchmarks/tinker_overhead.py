@@ -67,6 +67,7 @@ def main() -> None:
         started.set()
 
     if args.serve:  # the service's process: say the port, serve until the parent closes our stdin
+        spans = _record_spans(TrainingModel)
         loop.run_until_complete(up())
         print(f"PORT {holder['port']}", flush=True)
 
@@ -76,6 +77,7 @@ def main() -> None:
             await holder["runner"].cleanup()
 
         loop.run_until_complete(until_stdin_closes())
+        (Path(args.out) / "service_spans.json").write_text(json.dumps(spans))
         return
     child = None
     if args.in_process:
@@ -109,6 +111,7 @@ def main() -> None:
     tc = tc.result() if callable(getattr(tc, "result", None)) else tc  # SDK 0.38 hands back a future of it
     # built on the service's training thread too: transformers' from_pretrained keeps global init state (its
     # meta-device context), so two threads loading at once broke one of the loads
+    direct_spans = _record_spans(TrainingModel)  # the direct calls' own times, beside the service's
     direct = service.pool.submit(TrainingModel, ModelSpec(base_model=str(model_path), model_path=str(model_path),
                                                           lora_rank=args.rank, lora_alpha=cfg.lora_alpha),
                                  args.device, args.dtype).result()
@@ -119,12 +122,15 @@ def main() -> None:
 
             torch.cuda.synchronize()
 
+    rounds: list[tuple[float, float]] = []  # the SDK rounds' (start, end), time.time() (the service's spans too)
+
     def sdk_round() -> float:
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         fb = tc.forward_backward(sdk_batch, "cross_entropy")
         op = tc.optim_step(adam)
         fb.result()
         op.result()
+        rounds.append((w0, time.time()))
         return time.perf_counter() - t0
 
     def direct_round() -> float:
@@ -159,10 +165,57 @@ def main() -> None:
         child.stdin.close()
         child.wait(60)
         child.stdout.close()
+        spans_file = out / "service_spans.json"
+        if spans_file.is_file():  # where an SDK round's time went: before, in and after the service's calls
+            spans = json.loads(spans_file.read_text())
+            result["sdk_round_parts_ms"] = _round_parts(rounds[-args.rounds:], spans)
+            result["direct_parts_ms"] = {k: round(1e3 * statistics.median(
+                e - b for n, b, e in direct_spans[-2 * args.rounds:] if n == k), 2)
+                for k in ("forward_backward", "optim_step")}
+            path.write_text(json.dumps(result, indent=1))
+            print("SDK rounds, median ms: " + json.dumps(result["sdk_round_parts_ms"]) + "; direct calls: "
+                  + json.dumps(result["direct_parts_ms"]))
         return
     asyncio.run_coroutine_threadsafe(service.close(), loop).result(60)
     asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(60)
     loop.call_soon_threadsafe(loop.stop)
+
+
+def _record_spans(cls) -> list[tuple[str, float, float]]:
+    """Wrap `cls`'s forward_backward and optim_step (in the service's process) to record each call's (name, start,
+    end) in time.time(), CUDA synchronised at the end so the span holds the device's work."""
+    spans: list[tuple[str, float, float]] = []
+    for name in ("forward_backward", "optim_step"):
+        fn = getattr(cls, name)
+
+        def timed(self, *a, _fn=fn, _name=name):
+            t = time.time()
+            out = _fn(self, *a)
+            if str(getattr(self, "device", "cpu")).startswith("cuda"):
+                import torch
+
+                torch.cuda.synchronize()
+            spans.append((_name, t, time.time()))
+            return out
+
+        setattr(cls, name, timed)
+    return spans
+
+
+def _round_parts(rounds: list[tuple[float, float]], spans: list) -> dict[str, float]:
+    """Per SDK round, from the client's start to the service's forward_backward start (`to_service`), the
+    forward_backward, the gap to optim_step, optim_step, and from its end to the client's end (`back`): medians."""
+    parts: dict[str, list[float]] = {k: [] for k in ("to_service", "forward_backward", "gap", "optim_step", "back")}
+    for w0, w1 in rounds:
+        fb = [s for s in spans if s[0] == "forward_backward" and w0 <= s[1] <= w1]
+        op = [s for s in spans if s[0] == "optim_step" and w0 <= s[1] <= w1]
+        if len(fb) != 1 or len(op) != 1:
+            continue
+        (_, f0, f1), (_, o0, o1) = fb[0], op[0]
+        for k, v in (("to_service", f0 - w0), ("forward_backward", f1 - f0), ("gap", o0 - f1),
+                     ("optim_step", o1 - o0), ("back", w1 - o1)):
+            parts[k].append(1e3 * v)
+    return {k: round(statistics.median(v), 2) for k, v in parts.items() if v}
 
 
 if __name__ == "__main__":
