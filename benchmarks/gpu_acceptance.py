@@ -849,8 +849,9 @@ class Rows:
         dev = ["--device", "cpu", "--dtype", "float32"] if acc.smoke else ["--device", "cuda", "--dtype", "bfloat16"]
         log = Path(r.log)
         env = acc.env(str(gpu), TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")
+        small = ["--rounds", "3", "--warmup", "1", "--batch", "2", "--seq-len", "32"] if acc.smoke else []
         cmd = [sys.executable, str(ROOT / "benchmarks" / "tinker_overhead.py"), "--model", str(model), *dev,
-               "--out", str(work), *(["--rounds", "3", "--batch", "2", "--seq-len", "32"] if acc.smoke else [])]
+               "--out", str(work), *small]
         with log.open("ab") as fh:
             fh.write(("$ " + shlex.join(cmd) + "\n").encode())
             fh.flush()
@@ -891,8 +892,12 @@ class Rows:
             srv.stop()
         ce = res["ce_losses"]
         r.data = {"overhead": ov, "ratio": ratio, "driver": res, "cookbook": cookbook}
+        parts = ov.get("sdk_round_parts_ms", {})
+        path = sum(parts.get(k, 0.0) for k in ("to_service", "gap", "back"))
         r.figure = (f"round trip through the SDK {ov['sdk_median_s'] * 1e3:.1f} ms vs the backend directly "
-                    f"{ov['direct_median_s'] * 1e3:.1f} ms: overhead {100 * (ratio - 1):+.1f}% ({ov['batch']} x "
+                    f"{ov['direct_median_s'] * 1e3:.1f} ms (medians of {ov['rounds']} alternating rounds; the "
+                    f"service's path outside its calls {path:.1f} ms a round): overhead {100 * (ratio - 1):+.1f}% "
+                    f"({ov['batch']} x "
                     f"{ov['seq_len']} tokens, LoRA r{ov['lora_rank']}); the SDK's calls on the service: cross-entropy "
                     f"{ce[0]:.2f} -> {ce[-1]:.2f}, sampled logprobs vs the training model's forward "
                     f"{res['sample_logprob_diff']:.1e}, importance sampling {res['is_server']:.4g} vs "

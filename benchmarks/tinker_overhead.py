@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="tiny, a model shape (qwen2.5-0.5b-shape) or a local HF dir")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--rounds", type=int, default=10, help="timed rounds of each (after 2 warm-up rounds each)")
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds of each, alternating (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed rounds of each first (allocator, clocks)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per forward_backward")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank")
@@ -140,7 +141,7 @@ def main() -> None:
         sync()
         return time.perf_counter() - t0
 
-    for _ in range(2):
+    for _ in range(args.warmup):
         sdk_round()
         direct_round()
     sdk_t, direct_t = [], []
