@@ -322,8 +322,8 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_with_the_readme_command(l
 
 @pytest.mark.timeout(900)
 def test_weight_sync_tensor_loads_the_adapter_from_tensors_without_a_file(lora_server, tiny_model_path, tmp_path):
-    """learner.weight_sync=tensor with LoRA: the learner hands its adapter to /load_lora_adapter_from_tensors (a CPU
-    learner by value; a GPU one by CUDA IPC handles), nothing written. Directly: the server's tokens under the
+    """learner.weight_sync=tensor with LoRA: the learner hands its adapter to /load_lora_adapter_from_tensors (one
+    shared-memory segment the server opens by name), nothing written. Directly: the server's tokens under the
     pushed adapter get the learner's logprobs (the full-weight tolerance). Through `agentloop train` (async, the
     servers paused around each push): no adapter directory is written while training (only the final one at the
     end), every token names its adapter version, and the servers end on the final adapter, whose tokens equal

@@ -57,6 +57,13 @@ def test_lora_training_moves_only_the_adapters_and_its_exports_give_the_learners
             if n in base:
                 assert torch.equal(p.detach(), base[n]), f"{n} is frozen but moved"
         lps = learner.compute_logprobs(recs)
+        # what weight_sync=tensor hands over (one cast of the lot, views of it) is the trained adapter, each tensor
+        # whole, in the compute dtype
+        on_cpu, on_dev = learner.adapter_tensors(on_device=False), learner.adapter_tensors(on_device=True)
+        assert on_dev.keys() == on_cpu.keys() and len(on_cpu) > 2
+        for k, v in on_cpu.items():
+            assert on_dev[k].shape == v.shape and on_dev[k].dtype == learner.compute_dtype
+            assert torch.equal(on_dev[k], v.to(learner.compute_dtype)), k
         ad = learner.save_adapter(tmp_path / "adapter")
         merged = learner.save_hf(tmp_path / "merged")
         served = learner.save_served(tmp_path / "served")
@@ -212,25 +219,67 @@ def test_a_16_bit_base_merges_in_float32_when_asked_so_the_merged_model_is_the_s
     assert json.loads((m32_dir / "config.json").read_text())["torch_dtype"] == "float32"
 
 
-def test_a_cpu_adapter_serializes_by_value_as_sglangs_safe_unpickler_reads_it():
-    """weight_sync=tensor with a CPU learner: the adapter travels as one flattened bucket by value (a shared-memory
-    handle of a CPU tensor is a file descriptor the server cannot open); SGLang's restricted unpickler and its
-    bucket reader give every tensor back bit for bit, in its dtype."""
+@pytest.mark.parametrize("shm", [True, False], ids=["shared-memory", "by-value"])
+def test_an_adapter_serializes_as_sglangs_safe_unpickler_reads_it(shm, monkeypatch):
+    """weight_sync=tensor's adapter: one flattened bucket in a shared-memory segment named in the payload (a few
+    hundred bytes however large the adapter), or by value where /dev/shm has no room; SGLang's restricted
+    unpickler and its bucket reader give every tensor back bit for bit, in its dtype, once per TP rank."""
     pytest.importorskip("sglang")
     from sglang.srt.utils.common import MultiprocessingSerializer
-
-    from agentloop.train.weights.tensor import serialize_adapter
-
-    t = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
-         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 4).to(torch.bfloat16)}
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    payload, flat = serialize_adapter(t)
-    data = MultiprocessingSerializer.deserialize(payload)  # as the server's TP worker reads flattened_bucket
-    back = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
-                                      metadata=data["metadata"]).reconstruct_tensors())
-    assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
-    assert flat.dtype == torch.uint8 and flat.numel() == 4 * 8 * 4 + 8 * 4 * 2
+    from agentloop.train.weights import tensor as tensor_mod
+
+    monkeypatch.setattr(tensor_mod, "_shm_room", lambda n: shm)
+    t = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(64, 512),
+         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(512, 64).to(torch.bfloat16)}
+    payloads, flat = tensor_mod.serialize_adapter(t, copies=2)
+    assert len(payloads) == 2 and flat.dtype == torch.uint8 and flat.numel() == 64 * 512 * 4 + 512 * 64 * 2
+    if shm:
+        assert max(len(p) for p in payloads) < 2000  # the segment's name, not its bytes
+    for p in payloads:  # as each of the server's TP workers reads flattened_bucket
+        data = MultiprocessingSerializer.deserialize(p)
+        back = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                          metadata=data["metadata"]).reconstruct_tensors())
+        assert back.keys() == t.keys()
+        assert all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
+
+
+def test_a_shared_adapter_outlives_the_learners_copy_in_another_process(tmp_path):
+    """The server's process opens the segment by name and keeps its own mapping: the learner dropping its tensor
+    after the server answered does not take the adapter from under it."""
+    pytest.importorskip("sglang")
+    import subprocess
+    import sys
+
+    from agentloop.train.weights import tensor as tensor_mod
+
+    if not tensor_mod._shm_room(1 << 20):
+        pytest.skip("/dev/shm has no room here")
+    t = {"a.lora_A.weight": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}
+    payloads, flat = tensor_mod.serialize_adapter(t)
+    script = (
+        "import sys, torch\n"
+        "from sglang.srt.utils.common import MultiprocessingSerializer\n"
+        "d = MultiprocessingSerializer.deserialize(sys.stdin.read())\n"
+        "x = d['flattened_tensor']\n"
+        "print('opened', flush=True)\n"
+        "sys.stdin = open(sys.argv[1]); input()\n"
+        "print(float(x.view(torch.float32).sum()))\n")
+    gate = tmp_path / "gate"
+    os_fifo = __import__("os").mkfifo
+    os_fifo(gate)
+    p = subprocess.Popen([sys.executable, "-c", script, str(gate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    p.stdin.write(payloads[0])
+    p.stdin.close()
+    assert p.stdout.readline().strip() == "opened"
+    del flat, payloads  # the learner's copy goes
+    with open(gate, "w") as g:
+        g.write("go\n")
+    out = p.stdout.read()
+    p.stdout.close()
+    assert p.wait(60) == 0 and float(out) == float(sum(range(4096)))
 
 
 def test_save_adapter_copies_only_views_and_writes_them_whole(tmp_path):
