@@ -1,6 +1,9 @@
-"""`ray start --head` (Ray 2.60) turns token authentication on; `agentloop train cluster.address=HEAD` must join that
-cluster as the README says, without the user exporting RAY_AUTH_MODE (a client joining by address sends its token
-only in token mode, and otherwise retries "Authentication token is missing or incorrect" until it gives up)."""
+"""`ray start --head` (Ray 2.60) turns token authentication on when a token exists (`~/.ray/auth_token`: any local
+`ray.init()` cluster writes one, `ray get-auth-token --generate` too) and leaves it off otherwise; `agentloop train
+cluster.address=HEAD` must join either cluster as the README says, without the user exporting RAY_AUTH_MODE (a
+client joining by address sends its token only in token mode, and otherwise retries "Authentication token is
+missing or incorrect" until it gives up). Each case has a HOME of its own, so what it asserts does not depend on
+what earlier tests or runs left in the machine's ~/.ray (it did: a fresh machine's first run had no token)."""
 
 from __future__ import annotations
 
@@ -30,9 +33,15 @@ def _listening(port: int) -> bool:
         return False
 
 
-def test_joining_a_cluster_that_ray_start_made():
+@pytest.mark.parametrize("token", [True, False], ids=["token-exists", "no-token"])
+def test_joining_a_cluster_that_ray_start_made(token, tmp_path):
     pytest.importorskip("ray", reason="cluster.backend=ray needs `pip install 'agentloop[ray]'` (scripts/setup.sh)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)
+    if token:
+        gen = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0 and (tmp_path / ".ray" / "auth_token").is_file(), gen.stderr[-2000:]
     port = _free_port()
     # --block: the head lives in this process group, stopped by us alone (`ray stop` would stop every Ray here)
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
@@ -53,7 +62,8 @@ def test_joining_a_cluster_that_ray_start_made():
                 "print('joined', int(ray.cluster_resources()['CPU']), os.environ.get('RAY_AUTH_MODE'))\n"
                 "asyncio.run(b.close())\n")
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=150)
-        assert out.returncode == 0 and "joined 1 token" in out.stdout, out.stdout + out.stderr[-3000:]
+        want = "joined 1 token" if token else "joined 1 None"
+        assert out.returncode == 0 and want in out.stdout, out.stdout + out.stderr[-3000:]
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)

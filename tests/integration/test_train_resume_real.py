@@ -395,13 +395,34 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     serving (not left paused), and the last checkpoint resumes."""
     url = sglang_server.url
     run_dir = tmp_path / "run"
+    # The Ctrl-C must land mid-run, not after it: a run of 3 steps this small can end before the test is scheduled
+    # again on a loaded box (it did: exit 0). So the rewards past step 1's four episodes wait while `hold` exists
+    # (at most 15 s: a Ctrl-C waits for a reward already running), and the run cannot get past step 2 before the
+    # SIGINT; the resumed run finds `hold` gone.
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "hold").touch()
+    reward = tmp_path / "gated_reward.py"
+    reward.write_text(
+        "import os, time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    gate = os.environ['AGENTLOOP_TEST_GATE']\n"
+        "    with open(os.path.join(gate, 'calls'), 'a') as f:\n"
+        "        f.write('x\\n')\n"
+        "    with open(os.path.join(gate, 'calls')) as f:\n"
+        "        n = len(f.read().splitlines())\n"
+        "    until = time.monotonic() + 15\n"
+        "    while n > 4 and os.path.exists(os.path.join(gate, 'hold')) and time.monotonic() < until:\n"
+        "        time.sleep(0.05)\n"
+        "    return 0.0\n")
     overrides = ["train.steps=3", "train.prompts_per_step=2", "rollout.n_samples=2", "train.val_every=0",
                  "sampling.max_new_tokens=6", "learner.checkpoint_every=1", "train.tensorboard=false",
-                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300"]
+                 "train.update_timeout_s=300", "train.learner_ready_timeout_s=300",
+                 f"reward.custom={reward}:compute_score", "reward.timeout_s=120"]
     cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
            "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
            *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTLOOP_TEST_GATE": str(gate)}
     log_path, log2_path = tmp_path / "run1.log", tmp_path / "run2.log"
     procs: list[subprocess.Popen] = []
     learner_pids: list[int] = []
@@ -422,6 +443,7 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
         # the server was resumed if the interrupt hit a paused weight push: it still generates
         assert len(asyncio.run(_server_logprobs(url, FIXED))) == len(FIXED) - 1
 
+        (gate / "hold").unlink()
         with log2_path.open("wb") as log:
             second = subprocess.Popen(cmd + ["train.resume=true"], stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
