@@ -31,7 +31,7 @@ paths that need two GPUs. Rows:
                          sampler-vs-trainer KL ~0) and its SFT loop (NLL falls)
     resume-journal-tensor  as part two's resume-journal with learner.weight_sync=tensor, server and learner on GPU 0
                          (the one-GPU machine's journal resume)
-    lora-0.5b, lora-1.5b benchmarks/lora_bench.py, 0.5B shape, GPU 1, one LoRA-serving server: the learner's peak
+    lora-0.5b, lora-1.5b benchmarks/lora_bench.py, 0.5B / 1.5B shape, GPU 1, one LoRA-serving server: the learner's peak
                          memory and step time and the push of full weights vs a rank-32 adapter, by weight_sync
                          tensor (CUDA IPC: /update_weights_from_tensor vs /load_lora_adapter_from_tensors) and by
                          disk (save + server load); LoRA's peak below full weights', its tensor push < 0.05 s
@@ -205,10 +205,15 @@ class Acceptance:
         except (OSError, subprocess.SubprocessError):
             return []
 
+    def gpu(self, index: int) -> int:
+        """The GPU a row's GPU `index` runs on: itself, or GPU 0 on a one-GPU machine (part one's rows then run one
+        after another on it)."""
+        return 0 if len(self.cards) == 1 else index
+
     def card(self, gpus: str) -> str:
         if self.smoke or not self.cards:
             return "CPU (smoke)" if self.smoke else "?"
-        idx = [0 if len(self.cards) == 1 else int(g) for g in gpus.split(",") if g.strip().isdigit()]
+        idx = [self.gpu(int(g)) for g in gpus.split(",") if g.strip().isdigit()]
         names = sorted({self.cards[i].split(",")[0] for i in idx if i < len(self.cards)})
         return f"{' + '.join(names)} (GPU {gpus} of {len(self.cards)})"
 
@@ -224,8 +229,7 @@ class Acceptance:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         if gpus is not None and not self.smoke:
-            # a one-GPU machine runs part one's rows one after another on its only GPU
-            env["CUDA_VISIBLE_DEVICES"] = "0" if len(self.cards) == 1 else gpus
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(str(self.gpu(int(g))) for g in gpus.split(",")))
         env.update(extra)
         return env
 
@@ -288,8 +292,7 @@ class Acceptance:
         smoke run's server gets (it gets none of `extra`)."""
         from agentloop.inference.launcher import LocalServer
 
-        gpu_id = None if self.smoke else 0 if len(self.cards) == 1 else gpu
-        spec = LocalServer(model, device=self.device, gpu_id=gpu_id,
+        spec = LocalServer(model, device=self.device, gpu_id=None if self.smoke else self.gpu(gpu),
                            max_total_tokens=32768 if self.smoke else tokens,
                            mem_fraction_static=None if self.smoke else mem,
                            extra_args=[*self.server_args, *extra] if not self.smoke else list(smoke_extra),

@@ -39,9 +39,9 @@ def sft(url: str, model: str, log_path: str, data: str, steps: int = 4) -> None:
     common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=model, renderer_name="role_colon",
                                             max_length=256, batch_size=4,
                                             train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
-    builder = FromConversationFileBuilder(common_config=common, file_path=data, test_size=2)
-    if getattr(datasets, "__agentloop_standin__", False):  # an offline GPU machine without datasets (gpu_shims)
-        builder = _in_memory_builder()(common_config=common, file_path=data, test_size=2)
+    # an offline GPU machine without datasets has benchmarks/gpu_shims' stand-in, which refuses any use
+    kind = _in_memory_builder() if getattr(datasets, "__agentloop_standin__", False) else FromConversationFileBuilder
+    builder = kind(common_config=common, file_path=data, test_size=2)
     config = train.Config(log_path=log_path, model_name=model, recipe_name="recipe_sl_basic",
                           renderer_name="role_colon", base_url=url, lora_rank=8, learning_rate=5e-3,
                           lr_schedule="constant", num_epochs=steps, max_steps=steps, save_every=2,

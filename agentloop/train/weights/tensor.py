@@ -24,7 +24,9 @@ import base64
 import io
 import pickle
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -262,32 +264,34 @@ def _shm_room(nbytes: int) -> bool:
     return st.f_bavail * st.f_frsize >= 2 * nbytes
 
 
-def _to_shared_memory(flat: Any) -> Any:
-    """A copy of uint8 `flat` in a shared-memory segment torch names in /dev/shm (the file_system strategy)."""
-    import torch
+@contextmanager
+def _by_name() -> Iterator[None]:
+    """torch's `file_system` sharing strategy for the block (CPU tensors shared as named segments in /dev/shm, which
+    an unrelated process can open), the process's own strategy back after it."""
     import torch.multiprocessing as mp
 
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
-        out = torch.empty(flat.numel(), dtype=torch.uint8)
-        out.share_memory_()
+        yield
     finally:
         mp.set_sharing_strategy(before)
+
+
+def _to_shared_memory(flat: Any) -> Any:
+    """A copy of uint8 `flat` in a shared-memory segment torch names in /dev/shm."""
+    import torch
+
+    with _by_name():
+        out = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
     out.copy_(flat)
     return out
 
 
 def _share_pickle_by_name(obj: Any) -> str:
     """base64 ForkingPickler bytes of `obj`, its CPU tensors by their shared-memory segment's name."""
-    import torch.multiprocessing as mp
-
-    before = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
+    with _by_name():
         return base64.b64encode(_share_pickle(obj)).decode()
-    finally:
-        mp.set_sharing_strategy(before)
 
 
 __all__ = ["TensorSync", "serialize_adapter", "serialize_cuda_bucket", "tensor_payload"]
