@@ -120,7 +120,79 @@ def _tensor_pushes(mode: str, a: argparse.Namespace, learner) -> float | None:
             _post(a.server_url, "/unload_lora_adapter", {"lora_name": adapter_name(2000 + i)})
     print(f"{mode}: weight_sync=tensor pushes {[round(x * 1e3, 1) for x in times]} ms; their parts (s): {parts}",
           flush=True)
+    if mode == "lora" and a.device == "cuda":
+        try:  # a diagnosis: its failure must not cost the row its figures
+            print("lora push parts (median ms of 5): " + json.dumps(_push_parts(a, learner)), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"lora push parts: failed: {e!r}", flush=True)
     return statistics.median(times)
+
+
+def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
+    """Where a LoRA push's time goes, each part timed alone between device synchronizations: the learner's adapter
+    read, the host shared-memory segment's allocation and the copy into it (pageable, and pinned with
+    cudaHostRegister), the payload's pickle, and the server's floor (a rank-1 adapter of the same modules through
+    /load_lora_adapter_from_tensors, then /update_weight_version)."""
+    import torch
+
+    from agentloop.train.lora import adapter_config, adapter_name, adapter_state
+    from agentloop.train.weights import tensor as tm
+
+    def timed(f, n: int = 5) -> tuple[float, object]:
+        out, res = None, []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = f()
+            torch.cuda.synchronize()
+            res.append(time.perf_counter() - t)
+        return round(statistics.median(res) * 1e3, 2), out
+
+    parts: dict[str, float] = {}
+    parts["read"], state = timed(lambda: learner.adapter_tensors(on_device=True))
+    peft = adapter_state(state)
+    flat = tm._whole_base(list(peft.values()))
+    parts["one_tensor"] = float(flat is not None)
+    if flat is None:
+        flat = tm.flatten_bucket(list(peft.values()))
+
+    def alloc():
+        with tm._by_name():
+            return torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+
+    parts["shm_alloc"], _ = timed(alloc)
+    parts["shm_alloc_copy"], shared = timed(lambda: tm._to_shared_memory(flat))
+    cudart = torch.cuda.cudart()
+
+    def pinned():
+        s = alloc()
+        cudart.cudaHostRegister(s.data_ptr(), s.numel(), 0)
+        s.copy_(flat)
+        cudart.cudaHostUnregister(s.data_ptr())
+        return s
+
+    parts["shm_alloc_register_copy"], _ = timed(pinned)
+    meta = tm.bucket_metadata([tm.ParamMeta(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                               for k, v in peft.items()])
+    parts["pickle"], _ = timed(lambda: tm._share_pickle_by_name({"flattened_tensor": shared, "metadata": meta}))
+    one = {k: torch.zeros((1, v.shape[1]) if "lora_A" in k else (v.shape[0], 1), dtype=v.dtype) for k, v in peft.items()}
+    conf = {**adapter_config(learner.lora, str(learner.model_path)), "r": 1, "lora_alpha": 2.0}
+    loads, versions = [], []
+    for i in range(5):
+        payloads, _keep = tm.serialize_adapter(one)
+        t = time.perf_counter()
+        _post(a.server_url, "/load_lora_adapter_from_tensors",
+              {"lora_name": adapter_name(3000 + i), "config_dict": conf, "serialized_named_tensors": payloads,
+               "load_format": "flattened_bucket"})
+        loads.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        _post(a.server_url, "/update_weight_version", {"new_version": str(3000 + i), "abort_all_requests": False})
+        versions.append(time.perf_counter() - t)
+        _post(a.server_url, "/unload_lora_adapter", {"lora_name": adapter_name(3000 + i)})
+    parts["server_load_rank1"] = round(statistics.median(loads) * 1e3, 2)
+    parts["server_version"] = round(statistics.median(versions) * 1e3, 2)
+    parts["adapter_mb"] = round(flat.numel() / 2**20, 2)
+    return parts
 
 
 def main() -> None:

@@ -57,6 +57,13 @@ from agentloop.util.fsio import replace_dir
 __all__ = ["Learner", "lr_at", "needs_reference", "old_logprob_pass", "verl_order"]
 
 
+def _whole_local(p: Any) -> Any:
+    """The local tensor of a DTensor parameter on a one-rank mesh (the whole tensor), without `to_local()`'s autograd
+    wrapper; `to_local()` where torch names its field otherwise."""
+    local = getattr(p, "_local_tensor", None)
+    return local.detach() if local is not None else p.detach().to_local()
+
+
 def lr_at(step: int, cfg: LearnerConfig) -> float:
     """Learning rate of training step `step` (1-based): linear warmup (clipped to total_steps), then
     constant or cosine."""
@@ -651,26 +658,28 @@ class Learner:
 
         if self.lora is None:
             raise ValueError("adapter_tensors: this learner trains full weights (learner.lora.enabled is false)")
+        import torch
+
         state = {}
         # one gather per tensor, in the same order on every rank. Packing them into one all-gather was measured
         # slower (0.5B shape, rank 32, 336 tensors, one CPU rank: 178 ms against 81 ms). On a mesh of one rank the
         # local shard is the whole tensor: no collective at all (each full_tensor() is a DTensor redistribution and
-        # an all-gather, ~0.25 ms of host time apiece, most of a one-GPU learner's adapter push at 336 tensors)
-        for name, p in self.model.named_parameters():
-            if is_lora_key(name):
-                t = p.detach()
-                if hasattr(t, "full_tensor"):
-                    t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
-                if self.rank == 0:
-                    state[name] = t if on_device else t.cpu()
-        if on_device and state:
-            # one concatenation and one cast for the lot, views of it handed back (a cast per tensor was 336
-            # kernels and allocations at rank 32 on the 0.5B shape)
-            import torch
-
-            flat = torch.cat([t.reshape(-1) for t in state.values()]).to(self.compute_dtype)
-            parts = flat.split([t.numel() for t in state.values()])
-            state = {k: v.view(t.shape) for (k, t), v in zip(state.items(), parts)}
+        # an all-gather, ~0.25 ms of host time apiece), and not even `to_local()`, whose autograd wrapper cost
+        # ~70 us a call (24 ms of an H200's 88 ms push at 336 tensors, GPU acceptance s5 call 1)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if is_lora_key(name):
+                    t = p.detach()
+                    if hasattr(t, "full_tensor"):
+                        t = _whole_local(p) if t.device_mesh.size() == 1 else t.full_tensor()
+                    if self.rank == 0:
+                        state[name] = t if on_device else t.cpu()
+            if on_device and state:
+                # one concatenation and one cast for the lot, views of it handed back (a cast per tensor was 336
+                # kernels and allocations at rank 32 on the 0.5B shape); serialize_adapter sends that one tensor
+                flat = torch.cat([t.reshape(-1) for t in state.values()]).to(self.compute_dtype)
+                parts = flat.split([t.numel() for t in state.values()])
+                state = {k: v.view(t.shape) for (k, t), v in zip(state.items(), parts)}
         return state
 
     def save_hf(self, path: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:

@@ -242,7 +242,9 @@ def serialize_adapter(tensors: dict[str, Any], copies: int = 1) -> tuple[list[st
     names = list(tensors)
     metas = [ParamMeta(n, tuple(int(x) for x in tensors[n].shape), str(tensors[n].dtype).removeprefix("torch."))
              for n in names]
-    flat = flatten_bucket([tensors[n].contiguous() for n in names])
+    flat = _whole_base([tensors[n] for n in names])
+    if flat is None:
+        flat = flatten_bucket([tensors[n].contiguous() for n in names])
     meta = bucket_metadata(metas)
     if _shm_room(flat.numel()):
         shared = _to_shared_memory(flat)
@@ -251,6 +253,24 @@ def serialize_adapter(tensors: dict[str, Any], copies: int = 1) -> tuple[list[st
     if flat.is_cuda:
         return [serialize_cuda_bucket(flat, meta)] * copies, flat
     return [base64.b64encode(pickle.dumps({"flattened_tensor": flat, "metadata": meta})).decode()] * copies, flat
+
+
+def _whole_base(tensors: Sequence[Any]) -> Any:
+    """The uint8 view of the one tensor `tensors` tile in order, back to back (Learner.adapter_tensors's views of its
+    one cast), else None: the flattened bucket already, no second copy of the adapter."""
+    import torch
+
+    base = getattr(tensors[0], "_base", None) if tensors else None
+    if base is None or not base.is_contiguous():
+        return None
+    at, size = base.data_ptr(), base.element_size()
+    for t in tensors:
+        if t._base is not base or not t.is_contiguous() or t.data_ptr() != at:
+            return None
+        at += t.numel() * size
+    if at != base.data_ptr() + base.numel() * size:
+        return None
+    return base.reshape(-1).view(torch.uint8)
 
 
 def _shm_room(nbytes: int) -> bool:

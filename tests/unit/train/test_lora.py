@@ -245,6 +245,29 @@ def test_an_adapter_serializes_as_sglangs_safe_unpickler_reads_it(shm, monkeypat
         assert all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
 
 
+def test_the_learners_views_of_one_cast_go_as_that_tensor_without_a_second_copy(monkeypatch):
+    """Learner.adapter_tensors hands back views of one cast tensor; serialize_adapter sends that tensor's bytes as the
+    bucket (no second concatenation) with each view's range, and flattens anything else as before."""
+    pytest.importorskip("sglang")
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from agentloop.train.weights import tensor as tensor_mod
+
+    monkeypatch.setattr(tensor_mod, "_shm_room", lambda n: False)
+    one = torch.randn(64 * 32 + 32 * 48).to(torch.bfloat16)
+    a, b = one.split([64 * 32, 32 * 48])
+    views = {"x.lora_A.weight": a.view(32, 64), "x.lora_B.weight": b.view(48, 32)}
+    _, flat = tensor_mod.serialize_adapter(views)
+    assert flat.data_ptr() == one.data_ptr() and flat.numel() == one.numel() * 2  # the cast itself
+    for order in (views, dict(reversed(views.items())), {k: v.clone() for k, v in views.items()}):
+        payloads, flat = tensor_mod.serialize_adapter(order)
+        data = MultiprocessingSerializer.deserialize(payloads[0])
+        back = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                          metadata=data["metadata"]).reconstruct_tensors())
+        assert list(back) == list(order) and all(torch.equal(back[k], views[k]) for k in views)
+
+
 def test_a_shared_adapter_outlives_the_learners_copy_in_another_process(tmp_path):
     """The server's process opens the segment by name and keeps its own mapping: the learner dropping its tensor
     after the server answered does not take the adapter from under it."""
