@@ -175,7 +175,8 @@ def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
     meta = tm.bucket_metadata([tm.ParamMeta(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
                                for k, v in peft.items()])
     parts["pickle"], _ = timed(lambda: tm._share_pickle_by_name({"flattened_tensor": shared, "metadata": meta}))
-    one = {k: torch.zeros((1, v.shape[1]) if "lora_A" in k else (v.shape[0], 1), dtype=v.dtype) for k, v in peft.items()}
+    one = {k: torch.zeros((1, v.shape[1]) if "lora_A" in k else (v.shape[0], 1), dtype=v.dtype)
+           for k, v in peft.items()}
     conf = {**adapter_config(learner.lora, str(learner.model_path)), "r": 1, "lora_alpha": 2.0}
     loads, versions = [], []
     for i in range(5):
