@@ -664,14 +664,15 @@ class Learner:
         # one gather per tensor, in the same order on every rank. Packing them into one all-gather was measured
         # slower (0.5B shape, rank 32, 336 tensors, one CPU rank: 178 ms against 81 ms). On a mesh of one rank the
         # local shard is the whole tensor: no collective at all (each full_tensor() is a DTensor redistribution and
-        # an all-gather, ~0.25 ms of host time apiece), and not even `to_local()`, whose autograd wrapper cost
-        # ~70 us a call (24 ms of an H200's 88 ms push at 336 tensors, GPU acceptance s5 call 1)
+        # an all-gather, ~0.25 ms of host time apiece), and neither a DTensor's detach() nor its to_local(), a
+        # dispatch of ~50-70 us each (21 of an H200's 88 ms push at 336 tensors, GPU acceptance s5 calls 1-2)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if is_lora_key(name):
-                    t = p.detach()
-                    if hasattr(t, "full_tensor"):
-                        t = _whole_local(p) if t.device_mesh.size() == 1 else t.full_tensor()
+                    if hasattr(p, "full_tensor"):  # a DTensor's detach() alone is a dispatch of ~50 us
+                        t = _whole_local(p) if p.device_mesh.size() == 1 else p.detach().full_tensor()
+                    else:
+                        t = p.detach()
                     if self.rank == 0:
                         state[name] = t if on_device else t.cpu()
             if on_device and state:

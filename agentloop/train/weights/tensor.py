@@ -303,7 +303,10 @@ def _to_shared_memory(flat: Any) -> Any:
     import torch
 
     with _by_name():
-        out = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+        # the segment made shared at birth: `empty().share_memory_()` allocates, then copies into a new segment
+        # (19 of 27 ms for 33.6 MB on an H200's host, GPU acceptance s5 call 2)
+        storage = torch.UntypedStorage._new_shared(flat.numel())
+    out = torch.empty(0, dtype=torch.uint8).set_(storage)
     out.copy_(flat)
     return out
 
