@@ -303,10 +303,10 @@ def _to_shared_memory(flat: Any) -> Any:
     import torch
 
     with _by_name():
-        # the segment made shared at birth: `empty().share_memory_()` allocates, then copies into a new segment
-        # (19 of 27 ms for 33.6 MB on an H200's host, GPU acceptance s5 call 2)
-        storage = torch.UntypedStorage._new_shared(flat.numel())
-    out = torch.empty(0, dtype=torch.uint8).set_(storage)
+        out = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+    # Most of this is the kernel faulting in the segment's pages: 19 of 27 ms for 33.6 MB on an H200's host, and a
+    # segment made shared at birth (UntypedStorage._new_shared) faulted inside the device copy instead, slower (37
+    # ms; GPU acceptance s5 calls 2-3). Reusing pre-faulted segments needs to know when every server dropped one.
     out.copy_(flat)
     return out
 
