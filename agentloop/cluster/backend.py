@@ -22,7 +22,7 @@ from agentloop.errors import ConfigError
 from agentloop.inference.serving import ServerPool, UrlPool
 from agentloop.rollout.stream import GroupStreamProtocol
 from agentloop.train.handle.protocol import LearnerHandle
-from agentloop.train.orchestrator.backend import Backend
+from agentloop.train.orchestrator.backend import Backend, with_lora_server_args
 
 
 class RayBackend(Backend):
@@ -77,7 +77,9 @@ class RayBackend(Backend):
         c = cfg.cluster
         gpus = c.server_gpus if c.server_gpus is not None else (
             (0.5 if c.colocate else 1.0) if self._uses_cuda(cfg.server.device) else 0.0)
-        return RayServerPool(cfg.server, c, model_path, self.run_name(run_dir), gpus=gpus, placement_group=self._pg(),
+        # with learner.lora, the servers serve adapters: the LoRA flags first, server.extra_args after (they win)
+        server = with_lora_server_args(cfg).server
+        return RayServerPool(server, c, model_path, self.run_name(run_dir), gpus=gpus, placement_group=self._pg(),
                              stage_timeout_s=cfg.manager.admin_timeout_s)
 
     def learner(self, cfg: Config, run_dir: Path, model_path: Path) -> LearnerHandle:

@@ -167,12 +167,14 @@ def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, ti
     workers have journaled generate calls (the episode journal on, the default): its groups are not cancelled,
     each goes on on worker 1 from what worker 0 journaled (the same attempt, so its seeds and episode ids), and
     every step still trains whole groups of every prompt (one training run for both scenarios: each run pays for
-    its servers, learner and workers)."""
+    its servers, learner and workers). retract trains a LoRA adapter (learner.lora): the server actors get the LoRA
+    flags, each step's adapter crosses to their node and is loaded there, and every token names its version."""
     run_dir, plugin, log = nodes.driver / f"run-workers-{mode}", nodes.driver / "reward.py", tmp_path / "run.log"
     plugin.write_text(REWARD)
+    lora = mode == "retract"
     cmd = _cmd(nodes, tiny_model_path, run_dir, plugin, "train.steps=3", "sampling.max_new_tokens=400",
                "learner.checkpoint_every=null", "cluster.rollout_workers=2", f"train.interrupt={mode}",
-               "journal.write_interval_ms=1")
+               "journal.write_interval_ms=1", *(["learner.lora.enabled=true", "learner.lora.rank=8"] if lora else []))
     with log.open("wb") as out_file:
         proc = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=_env(nodes))
     try:
@@ -199,6 +201,15 @@ def test_rollout_workers_continue_the_calls_a_weight_update_cuts_short(nodes, ti
         for r in step_recs:
             vs = [v for v, m in zip(r.token_versions, r.response_mask) if m]
             assert vs == sorted(vs) and s - 2 <= vs[0] and vs[-1] <= s - 1, (mode, s, sorted(set(vs)))
+    if lora:  # each step's adapter (a PEFT directory, not the model) went from node_b to the servers' node
+        learner_dir = nodes.b / "learner" / run_dir.name
+        assert all((learner_dir / "weights" / f"step-{s:06d}" / "adapter_config.json").is_file() for s in (1, 2, 3))
+        served = nodes.a / "agentloop-ray" / f"agentloop-{run_dir.name}"
+        fetches = [json.loads(ln) for ln in _lines(served / "weights" / "weights.jsonl")]
+        assert [Path(f["to"]).name for f in fetches] == ["step-000001", "step-000002", "step-000003"], fetches
+        base = sum(p.stat().st_size for p in tiny_model_path.glob("*.safetensors"))
+        assert all(f["files"] == 2 and f["bytes"] < base / 2 for f in fetches), (base, fetches)  # config + adapter
+        assert any(max(r.token_versions[i] for i, m in enumerate(r.response_mask) if m) >= 1 for r in recs)
     if mode == "abort":
         # groups of the next step run on the workers while a step's weights are pushed (async, η = 1): the pause
         # cut some of their calls, which continued under the new weights, their tokens of both versions
