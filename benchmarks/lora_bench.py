@@ -151,10 +151,8 @@ def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
     parts: dict[str, float] = {}
     parts["read"], state = timed(lambda: learner.adapter_tensors(on_device=True))
     peft = adapter_state(state)
-    flat = tm._whole_base(list(peft.values()))
-    parts["one_tensor"] = float(flat is not None)
-    if flat is None:
-        flat = tm.flatten_bucket(list(peft.values()))
+    flat, meta = tm.adapter_bucket(peft)
+    parts["one_tensor"] = float(tm._whole_base(list(peft.values())) is not None)
 
     def alloc():
         with tm._by_name():
@@ -172,8 +170,6 @@ def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
         return s
 
     parts["shm_alloc_register_copy"], _ = timed(pinned)
-    meta = tm.bucket_metadata([tm.ParamMeta(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
-                               for k, v in peft.items()])
     parts["pickle"], _ = timed(lambda: tm._share_pickle_by_name({"flattened_tensor": shared, "metadata": meta}))
     one = {k: torch.zeros((1, v.shape[1]) if "lora_A" in k else (v.shape[0], 1), dtype=v.dtype)
            for k, v in peft.items()}

@@ -239,13 +239,7 @@ def serialize_adapter(tensors: dict[str, Any], copies: int = 1) -> tuple[list[st
     57 ms of a 91 ms push on an H200, GPU acceptance call 13), and a CPU learner's bucket by value a pickle of the
     whole adapter in the request. Where /dev/shm cannot hold it twice over (a container's small default), a GPU
     bucket falls back to its CUDA IPC handle and a CPU one to going by value."""
-    names = list(tensors)
-    metas = [ParamMeta(n, tuple(int(x) for x in tensors[n].shape), str(tensors[n].dtype).removeprefix("torch."))
-             for n in names]
-    flat = _whole_base([tensors[n] for n in names])
-    if flat is None:
-        flat = flatten_bucket([tensors[n].contiguous() for n in names])
-    meta = bucket_metadata(metas)
+    flat, meta = adapter_bucket(tensors)
     if _shm_room(flat.numel()):
         shared = _to_shared_memory(flat)
         # each dump takes one reference the server's rebuild gives back: one per TP rank that opens it
@@ -253,6 +247,18 @@ def serialize_adapter(tensors: dict[str, Any], copies: int = 1) -> tuple[list[st
     if flat.is_cuda:
         return [serialize_cuda_bucket(flat, meta)] * copies, flat
     return [base64.b64encode(pickle.dumps({"flattened_tensor": flat, "metadata": meta})).decode()] * copies, flat
+
+
+def adapter_bucket(tensors: dict[str, Any]) -> tuple[Any, list[SimpleNamespace]]:
+    """{name: tensor} as one flattened bucket (uint8) and its per-tensor byte ranges, in the dict's order: the
+    learner's one cast tensor itself where the tensors are its views back to back, else a concatenation."""
+    names = list(tensors)
+    metas = [ParamMeta(n, tuple(int(x) for x in tensors[n].shape), str(tensors[n].dtype).removeprefix("torch."))
+             for n in names]
+    flat = _whole_base([tensors[n] for n in names])
+    if flat is None:
+        flat = flatten_bucket([tensors[n].contiguous() for n in names])
+    return flat, bucket_metadata(metas)
 
 
 def _whole_base(tensors: Sequence[Any]) -> Any:
@@ -317,4 +323,4 @@ def _share_pickle_by_name(obj: Any) -> str:
         return base64.b64encode(_share_pickle(obj)).decode()
 
 
-__all__ = ["TensorSync", "serialize_adapter", "serialize_cuda_bucket", "tensor_payload"]
+__all__ = ["TensorSync", "adapter_bucket", "serialize_adapter", "serialize_cuda_bucket", "tensor_payload"]
