@@ -9,7 +9,8 @@ alpha 2r, every attention and MLP projection): Learner.save_adapter + /load_lora
 push, what a step's time/sync_s holds besides the pause: LoRA, TensorSync.push_adapter (the adapter's tensors to
 /load_lora_adapter_from_tensors + /update_weight_version; CUDA IPC handles, by value on the CPU); full weights,
 TensorSync.push (CUDA only). Each mode runs one warmup step and two timed ones on the same synthetic GRPO batch,
-then three pushes of each kind (the median is reported); the server gets its original weights back at the end.
+then three pushes of each kind (five tensor pushes of an adapter, each after the last one's unload, as in training;
+the median is reported); the server gets its original weights back at the end.
 Used by benchmarks/gpu_acceptance.py's row lora-0.5b.
 """
 
@@ -108,10 +109,12 @@ def _tensor_pushes(mode: str, a: argparse.Namespace, learner) -> float | None:
     if mode == "full" and a.device != "cuda":
         return None
     times, parts = [], []
-    for i in range(3):
+    for i in range(5 if mode == "lora" else 3):
         t = time.perf_counter()
         if mode == "lora":
-            parts.append(sync.push_adapter(learner, urls=[a.server_url], version=2000 + i))
+            # as in training, each push may write the host memory of an adapter the server unloaded
+            parts.append(sync.push_adapter(learner, urls=[a.server_url], version=2000 + i,
+                                           released=[2000 + i - 1] if i else []))
         else:
             parts.append(sync.push(learner.model, dtype=learner.compute_dtype, device=learner.device, rank=0,
                                    urls=[a.server_url], version=None))
@@ -125,6 +128,7 @@ def _tensor_pushes(mode: str, a: argparse.Namespace, learner) -> float | None:
             print("lora push parts (median ms of 5): " + json.dumps(_push_parts(a, learner)), flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"lora push parts: failed: {e!r}", flush=True)
+    sync.close()
     return statistics.median(times)
 
 
@@ -149,10 +153,9 @@ def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
         return round(statistics.median(res) * 1e3, 2), out
 
     parts: dict[str, float] = {}
-    parts["read"], state = timed(lambda: learner.adapter_tensors(on_device=True))
+    parts["read_tensors"], state = timed(lambda: learner.adapter_tensors(on_device=True))
     peft = adapter_state(state)
-    flat, meta = tm.adapter_bucket(peft)
-    parts["one_tensor"] = float(tm._whole_base(list(peft.values())) is not None)
+    parts["read"], (flat, meta) = timed(lambda: learner.adapter_bucket(on_device=True))
 
     def alloc():
         with tm._by_name():
@@ -170,6 +173,10 @@ def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
         return s
 
     parts["shm_alloc_register_copy"], _ = timed(pinned)
+    segments = tm.AdapterSegments()
+    again = segments.take(flat.numel(), pin=True)
+    parts["copy_reused_pinned"], _ = timed(lambda: again.copy_(flat))
+    segments.forget(again)
     parts["pickle"], _ = timed(lambda: tm._share_pickle_by_name({"flattened_tensor": shared, "metadata": meta}))
     one = {k: torch.zeros((1, v.shape[1]) if "lora_A" in k else (v.shape[0], 1), dtype=v.dtype)
            for k, v in peft.items()}

@@ -341,17 +341,28 @@ def test_weight_sync_tensor_loads_the_adapter_from_tensors_without_a_file(lora_s
         sync = TensorSync.from_config(learner.cfg)
         sync.check(learner)
         m = sync.push_adapter(learner, urls=[url], version=11)
+        first = sync.segments.held[11]
         try:
             tuned = _sample(url, 11)
             diff = _max_diff(learner.compute_logprobs(tuned), tuned)
             moved = _max_diff(learner.compute_logprobs(base), base)
         finally:
             asyncio.run(_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(11)}))
+        # the server unloaded adapter 11 and the order says so: the next adapter is written into its memory
+        learner.train_step(base, 3)
+        sync.push_adapter(learner, urls=[url], version=12, released=[11])
+        try:
+            assert sync.segments.held[12] is first and not sync.segments.free
+            again = _sample(url, 12)
+            diff_again = _max_diff(learner.compute_logprobs(again), again)
+        finally:
+            asyncio.run(_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(12)}))
+        sync.close()
     finally:
         learner.close()
-    print(f"tensor push {m}; max |learner - server| {diff:.2e}, moved {moved:.2e}")
-    assert diff < TOL and moved > 50 * TOL
-    assert json.loads(urllib_get(url + "/model_info"))["weight_version"] == "11"
+    print(f"tensor push {m}; max |learner - server| {diff:.2e}, moved {moved:.2e}; in reused memory {diff_again:.2e}")
+    assert diff < TOL and moved > 50 * TOL and diff_again < TOL
+    assert json.loads(urllib_get(url + "/model_info"))["weight_version"] == "12"
 
     run_dir = tmp_path / "run"
     cmd = _cli(url, tiny_model_path, run_dir, _plugin(tmp_path), "train.steps=3", "train.prompts_per_step=2",

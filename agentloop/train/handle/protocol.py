@@ -80,6 +80,9 @@ class PushOrder:
     interrupt: str | None = None
     """abort | retract | in_place; None (an order without a mode, an older orchestrator's): no flush, the safe
     side (a refused flush inside an update kills SGLang 0.5.17's scheduler, a missing one only keeps stale KV)."""
+    released: tuple[int, ...] = ()
+    """LoRA through weight_sync tensor: the adapter versions this learner pushed that no server holds any more (each
+    server that loaded one unloaded it), so the host memory they were read from may be written again."""
 
     @property
     def flush_cache(self) -> bool:
@@ -89,11 +92,13 @@ class PushOrder:
         return interrupt_policy(self.interrupt).flush_in_update if self.interrupt else False
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "urls": list(self.urls), "interrupt": self.interrupt}
+        return {"step": self.step, "urls": list(self.urls), "interrupt": self.interrupt,
+                "released": list(self.released)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PushOrder:
-        return cls(step=int(d.get("step", 0)), urls=tuple(d.get("urls") or ()), interrupt=d.get("interrupt"))
+        return cls(step=int(d.get("step", 0)), urls=tuple(d.get("urls") or ()), interrupt=d.get("interrupt"),
+                   released=tuple(int(v) for v in d.get("released") or ()))
 
 
 @dataclass

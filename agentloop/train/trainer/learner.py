@@ -155,6 +155,8 @@ class Learner:
 
         self.lora = self.cfg.lora if self.cfg.lora.enabled else None
         """learner.lora when enabled: the model trains LoRA adapters on a frozen base (agentloop.train.lora)."""
+        self._adapter_views: dict[Any, Any] = {}
+        """adapter_bucket's views of the adapter (one rank) by the dtype it hands over, made on first use."""
         self.pad_id = self.hf_config.pad_token_id if isinstance(self.hf_config.pad_token_id, int) else 0
         self.mesh = init_device_mesh(self.device_type, (self.world,))
         self.notes: list[str] = [f"model: {line}" for line in self.support.applied]
@@ -682,6 +684,25 @@ class Learner:
                 parts = flat.split([t.numel() for t in state.values()])
                 state = {k: v.view(t.shape) for (k, t), v in zip(state.items(), parts)}
         return state
+
+    def adapter_bucket(self, *, on_device: bool) -> tuple[Any, list[SimpleNamespace]] | None:
+        """Collective (LoRA only): the adapter as one flattened bucket under PEFT's names (uint8, and SGLang's
+        flattened_bucket byte ranges) on rank 0, None on the others; `on_device` as in adapter_tensors. One rank
+        reads it through views made once (agentloop.train.trainer.adapter_view), no per-tensor work per push."""
+        from agentloop.train.lora import adapter_state
+        from agentloop.train.trainer.adapter_view import AdapterView
+        from agentloop.train.weights.tensor import adapter_bucket
+
+        if self.world > 1 or (not on_device and self.device_type != "cpu"):
+            state = self.adapter_tensors(on_device=on_device)
+            return adapter_bucket(adapter_state(state)) if self.rank == 0 else None
+        if self.lora is None:
+            raise ValueError("adapter_bucket: this learner trains full weights (learner.lora.enabled is false)")
+        dtype = self.compute_dtype if on_device else None
+        view = self._adapter_views.get(dtype)
+        if view is None or not view.current():
+            view = self._adapter_views[dtype] = AdapterView(self.model, dtype)
+        return view.bucket(), view.meta
 
     def save_hf(self, path: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> Path:
         """Collective: gather full weights to rank 0 and write an HF directory at `path`.

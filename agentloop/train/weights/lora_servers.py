@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from agentloop.errors import RequestError
-from agentloop.train.handle.protocol import SyncRequest, UpdateResult, WeightsOnDisk
+from agentloop.train.handle.protocol import PushOrder, SyncRequest, UpdateResult, WeightsOnDisk
 from agentloop.train.lora import adapter_name, adapter_name_taken, server_args
 from agentloop.train.weights.servers import ServerHalf, TransportError
 
@@ -46,6 +46,8 @@ class LoraHalf(ServerHalf):
         self.sm.state.lora_adapters = True
         self.loaded: dict[str, set[int]] = {}
         """Adapter versions this run loaded, per server URL (what is unloaded later)."""
+        self.handed: set[int] = set()
+        """Versions the learner pushed itself (weight_sync tensor) whose release it has not been told yet."""
 
     async def _load_one(self, url: str, path: str, version: int) -> None:
         s = self.sm.state
@@ -135,6 +137,14 @@ class LoraHalf(ServerHalf):
                                  f"for paused servers (weight_sync tensor), got {event}")
         return event, await self.load(event.weights, step)
 
+    def order(self, step: int, targets: list[str]) -> PushOrder:
+        """The push order, with the versions the learner handed the servers that none holds any more (unloaded
+        everywhere it was loaded): the learner writes the next adapters into their host memory (TensorSync)."""
+        held = set().union(*self.loaded.values()) if self.loaded else set()
+        released = sorted(self.handed - held)
+        self.handed -= set(released)
+        return PushOrder(step, tuple(targets), self.policy.mode, released=tuple(released))
+
     async def _pushed(self, step: int, timeout_s: float) -> tuple[UpdateResult, float]:
         """weight_sync tensor: pause, let the learner load adapter `step` into the reachable servers, resume."""
         t1 = time.monotonic()
@@ -143,6 +153,7 @@ class LoraHalf(ServerHalf):
         for u in targets:
             self.loaded.setdefault(u, set()).add(step)
             self.sm.state.spawn(self._unload_older(u, step), name=f"unload-adapters-{u}")
+        self.handed.add(step)
         return upd, time.monotonic() - t1
 
 

@@ -100,6 +100,10 @@ class ServerHalf:
         (the update, seconds spent getting the weights there)."""
         raise NotImplementedError
 
+    def order(self, step: int, targets: list[str]) -> PushOrder:
+        """What the learner is told to push: step's weights to `targets`, in this run's interrupt mode."""
+        return PushOrder(step, tuple(targets), self.policy.mode)
+
     async def push_paused(self, step: int, timeout_s: float) -> tuple[UpdateResult, list[str]]:
         """A learner-side push (tensor, nccl; full weights or an adapter): pause the servers, let the learner push
         `step` into the reachable ones, finish the mode's update, resume; those servers then count as on `step`.
@@ -107,7 +111,7 @@ class ServerHalf:
         await self.sm.pause(mode=self.policy.pause_mode)
         try:
             targets = await self.sm.reachable_targets()
-            await self.learner.allow_sync(step, PushOrder(step, tuple(targets), self.policy.mode))
+            await self.learner.allow_sync(step, self.order(step, targets))
             upd = await self.learner.wait_update(step, timeout_s)
             await self.sm.finish_update(self.policy, targets)
         finally:

@@ -10,6 +10,8 @@ Map:
     TensorSync             the path (`push`), registered as "tensor"; with learner.lora `push_adapter`:
                            the adapter's tensors -> /load_lora_adapter_from_tensors as adapter agentloop-vN
     serialize_adapter      the adapter as that endpoint reads it: one flattened bucket in a shared-memory segment
+    serialize_bucket       the same from a bucket already flat (Learner.adapter_bucket), into a given segment
+    AdapterSegments        those segments by version, written again once no server holds that adapter
 
 Checked against SGLang 0.5.17 / 0.5.23: request fields in `sglang/srt/managers/io_struct.py`; the
 payload is unpickled by `MultiprocessingSerializer.deserialize` with a restricted unpickler
@@ -117,6 +119,12 @@ class TensorSync(WeightSync):
     def __init__(self, **kw: Any):
         super().__init__(**kw)
         self._tp: dict[str, int] = {}
+        self.segments = AdapterSegments()
+        """LoRA: the shared-memory segments adapters were handed to the servers in, kept to be written again."""
+
+    def close(self, urls: Sequence[str] = ()) -> None:
+        self.segments.close()
+        super().close(urls)
 
     def check(self, learner: Any) -> None:
         if getattr(learner, "lora", None) is not None:
@@ -128,33 +136,37 @@ class TensorSync(WeightSync):
             return super().publish(learner, step, weights_dir, ask)
         order = ask(step, self.name)
         t = time.perf_counter()
-        metrics = self.push_adapter(learner, urls=list(order.urls), version=step)
+        metrics = self.push_adapter(learner, urls=list(order.urls), version=step, released=order.released)
         metrics["time/sync_s"] = time.perf_counter() - t
         return Published(weights_dir=None, pushed=True, metrics=metrics)
 
-    def push_adapter(self, learner: Any, *, urls: Sequence[str], version: int) -> dict[str, float]:
+    def push_adapter(self, learner: Any, *, urls: Sequence[str], version: int,
+                     released: Sequence[int] = ()) -> dict[str, float]:
         """Collective (LoRA): gather the adapter on rank 0 and load it into `urls` as adapter `agentloop-v<version>`
         (/load_lora_adapter_from_tensors, no file written), then label them `version` (/update_weight_version). The
-        orchestrator holds the servers paused and unloads the older adapters afterwards (LoraHalf)."""
-        from agentloop.train.lora import adapter_config, adapter_name, adapter_name_taken, adapter_state
+        orchestrator holds the servers paused and unloads the older adapters afterwards (LoraHalf); `released`: the
+        versions it reports no server holds any more, whose host memory this push may write (AdapterSegments)."""
+        from agentloop.train.lora import adapter_config, adapter_name, adapter_name_taken
 
         t0 = time.perf_counter()
-        tensors = learner.adapter_tensors(on_device=learner.device_type == "cuda")
+        bucket = learner.adapter_bucket(on_device=learner.device_type == "cuda")
         gather_s = time.perf_counter() - t0
         if learner.rank != 0:
             return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s}
+        flat, meta = bucket
         if learner.device_type == "cuda":
             import torch
 
             torch.cuda.current_stream().synchronize()  # the server reads through IPC, unordered with our stream
-        peft = adapter_state(tensors)
         conf = adapter_config(learner.lora, str(learner.model_path))
         name = adapter_name(version)
         for u in urls:
             if u not in self._tp:
                 self._tp[u] = server_tp_size(u, self.timeout_s)
         t = time.perf_counter()
-        payloads, flat = serialize_adapter(peft, copies=sum(self._tp[u] for u in urls))
+        self.segments.release(released)
+        segment = self.segments.take(flat.numel(), pin=flat.is_cuda)
+        payloads, _alive = serialize_bucket(flat, meta, copies=sum(self._tp[u] for u in urls), segment=segment)
         t_ser = time.perf_counter() - t
         per_url, i = {}, 0
         for u in urls:
@@ -174,7 +186,7 @@ class TensorSync(WeightSync):
                 # a resumed run on the same servers: the name is taken by an older load of this version
                 post_json(u, "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
                 # fresh payloads: a server that opened the segment before refusing gave its reference back
-                again, _keep = serialize_adapter(peft, copies=self._tp[u])
+                again, _keep = serialize_bucket(flat, meta, copies=self._tp[u])
                 post_json(u, "/load_lora_adapter_from_tensors", {**body, "serialized_named_tensors": again},
                           self.timeout_s)
             load_s.append(time.perf_counter() - t_load)
@@ -182,11 +194,17 @@ class TensorSync(WeightSync):
                       self.timeout_s)
 
         t = time.perf_counter()
-        with ThreadPoolExecutor(max(1, len(urls))) as pool:
-            _gather_calls(pool, [pool.submit(load, u) for u in urls], self.timeout_s)
+        try:
+            with ThreadPoolExecutor(max(1, len(urls))) as pool:
+                _gather_calls(pool, [pool.submit(load, u) for u in urls], self.timeout_s)
+        except BaseException:
+            self.segments.forget(segment)  # a server may hold it with no unload to come: never written again
+            raise
+        if segment is not None:
+            self.segments.hold(version, segment)  # the servers read it until they unload this version
         mb = flat.numel() / 2**20
         # the servers hold their own mapping of the segment (or copied the IPC bucket out) once they answered
-        flat = payloads = per_url = None
+        flat = payloads = per_url = _alive = None
         return {"sync/total_s": time.perf_counter() - t0, "sync/gather_s": gather_s, "sync/serialize_s": t_ser,
                 "sync/send_s": time.perf_counter() - t, "sync/load_s": max(load_s, default=0.0),
                 "sync/adapter_mb": mb}
@@ -227,26 +245,102 @@ SHM_DIR = "/dev/shm"
 
 
 def serialize_adapter(tensors: dict[str, Any], copies: int = 1) -> tuple[list[str], Any]:
-    """{PEFT name: tensor} as /load_lora_adapter_from_tensors reads it with `load_format: flattened_bucket` (SGLang's
-    MultiprocessingSerializer, base64): the tensors' bytes back to back in one uint8 tensor plus each one's byte
-    range, `copies` payloads (one per server TP rank). Returns (payloads, the flat tensor): keep the tensor alive
-    until the servers answered.
+    """{PEFT name: tensor} as /load_lora_adapter_from_tensors reads it with `load_format: flattened_bucket`:
+    serialize_bucket of its adapter_bucket."""
+    flat, meta = adapter_bucket(tensors)
+    return serialize_bucket(flat, meta, copies)
+
+
+def serialize_bucket(flat: Any, meta: list[SimpleNamespace], copies: int = 1, *,
+                     segment: Any = None) -> tuple[list[str], Any]:
+    """A flattened adapter bucket (uint8, with its byte ranges) as /load_lora_adapter_from_tensors reads it with
+    `load_format: flattened_bucket` (SGLang's MultiprocessingSerializer, base64), `copies` payloads (one per server
+    TP rank). Returns (payloads, the tensor they name): keep it alive until the servers answered.
 
     The bucket goes to the server's host memory, where SGLang's LoRAAdapter keeps adapters, as one shared-memory
     segment by name (torch's `file_system` strategy; SGLang's restricted unpickler admits its rebuild): one copy
-    from the learner's device, and the server's per-tensor `.cpu()` finds its tensors there already. Handing it a
-    CUDA IPC handle instead cost a device-to-host copy per tensor on the server (336 at rank 32 on the 0.5B shape:
-    57 ms of a 91 ms push on an H200, GPU acceptance call 13), and a CPU learner's bucket by value a pickle of the
-    whole adapter in the request. Where /dev/shm cannot hold it twice over (a container's small default), a GPU
-    bucket falls back to its CUDA IPC handle and a CPU one to going by value."""
-    flat, meta = adapter_bucket(tensors)
-    if _shm_room(flat.numel()):
-        shared = _to_shared_memory(flat)
+    from the learner's device, and the server's per-tensor `.cpu()` finds its tensors there already. `segment`: a
+    shared segment of the bucket's size to write it into (AdapterSegments: one no server reads any more), else a
+    fresh one. Handing the server a CUDA IPC handle instead cost a device-to-host copy per tensor on the server (336
+    at rank 32 on the 0.5B shape: 57 ms of a 91 ms push on an H200, GPU acceptance call 13), and a CPU learner's
+    bucket by value a pickle of the whole adapter in the request. Where /dev/shm cannot hold it twice over (a
+    container's small default), a GPU bucket falls back to its CUDA IPC handle and a CPU one to going by value."""
+    if segment is None and _shm_room(flat.numel()):
+        segment = _new_segment(flat.numel())
+    if segment is not None:
+        segment.copy_(flat)
         # each dump takes one reference the server's rebuild gives back: one per TP rank that opens it
-        return [_share_pickle_by_name({"flattened_tensor": shared, "metadata": meta}) for _ in range(copies)], shared
+        return [_share_pickle_by_name({"flattened_tensor": segment, "metadata": meta}) for _ in range(copies)], segment
     if flat.is_cuda:
         return [serialize_cuda_bucket(flat, meta)] * copies, flat
     return [base64.b64encode(pickle.dumps({"flattened_tensor": flat, "metadata": meta})).decode()] * copies, flat
+
+
+class AdapterSegments:
+    """The host shared-memory segments rank 0 handed the servers adapters in, by version, each written again once
+    the orchestrator reports that version released (no server holds it: PushOrder.released). A fresh segment costs
+    the kernel's page faults, most of its copy (19 of 27 ms for 33.6 MB on an H200's host, GPU acceptance s5); a GPU
+    learner's segments are also pinned (cudaHostRegister) once, so the device copy into them runs at DMA speed.
+    A version never reported released stays held: a server may still read its segment (SGLang keeps an adapter's
+    tensors where they arrived, the ones it does not restack, until it unloads it)."""
+
+    keep_free = 2
+    """Released segments kept for the next pushes; more are let go."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, Any] = {}
+        """version -> the segment the servers read that adapter from."""
+        self.free: list[Any] = []
+        """Released segments, to be written again."""
+        self._pinned: set[int] = set()
+        """data_ptr of the segments registered with CUDA (unregistered before they are let go)."""
+
+    def release(self, versions: Sequence[int]) -> None:
+        for v in versions:
+            seg = self.held.pop(int(v), None)
+            if seg is not None:
+                self.free.append(seg)
+        while len(self.free) > self.keep_free:
+            self._let_go(self.free.pop(0))
+
+    def take(self, nbytes: int, *, pin: bool) -> Any:
+        """A segment of `nbytes` to write the next adapter into (a released one, else a fresh one; pinned with
+        `pin`), None where /dev/shm has no room for one (serialize_bucket falls back)."""
+        for i, seg in enumerate(self.free):
+            if seg.numel() == nbytes:
+                return self.free.pop(i)
+        if not _shm_room(nbytes):
+            return None
+        seg = _new_segment(nbytes)
+        if pin and nbytes:
+            import torch
+
+            if int(torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), nbytes, 0)) == 0:  # else unpinned, still right
+                self._pinned.add(seg.data_ptr())
+        return seg
+
+    def hold(self, version: int, segment: Any) -> None:
+        old = self.held.pop(int(version), None)
+        if old is not None and old is not segment:  # a version pushed twice (a resumed run): the old one is gone
+            self._let_go(old)
+        self.held[int(version)] = segment
+
+    def forget(self, segment: Any) -> None:
+        """A segment whose push failed: our reference goes (a server that mapped it keeps its own), never reused."""
+        if segment is not None:
+            self._let_go(segment)
+
+    def close(self) -> None:
+        for seg in [*self.held.values(), *self.free]:
+            self._let_go(seg)
+        self.held, self.free = {}, []
+
+    def _let_go(self, seg: Any) -> None:
+        if seg.data_ptr() in self._pinned:
+            import torch
+
+            self._pinned.discard(seg.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
 
 
 def adapter_bucket(tensors: dict[str, Any]) -> tuple[Any, list[SimpleNamespace]]:
@@ -304,15 +398,19 @@ def _by_name() -> Iterator[None]:
         mp.set_sharing_strategy(before)
 
 
-def _to_shared_memory(flat: Any) -> Any:
-    """A copy of uint8 `flat` in a shared-memory segment torch names in /dev/shm."""
+def _new_segment(nbytes: int) -> Any:
+    """A uint8 tensor of `nbytes` in a shared-memory segment torch names in /dev/shm (its pages are faulted in by
+    the first write: most of a fresh segment's cost; a segment made shared at birth, UntypedStorage._new_shared,
+    faulted inside the device copy instead, slower: 37 against 27 ms, GPU acceptance s5 calls 2-3)."""
     import torch
 
     with _by_name():
-        out = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
-    # Most of this is the kernel faulting in the segment's pages: 19 of 27 ms for 33.6 MB on an H200's host, and a
-    # segment made shared at birth (UntypedStorage._new_shared) faulted inside the device copy instead, slower (37
-    # ms; GPU acceptance s5 calls 2-3). Reusing pre-faulted segments needs to know when every server dropped one.
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+
+def _to_shared_memory(flat: Any) -> Any:
+    """A copy of uint8 `flat` in a fresh shared-memory segment."""
+    out = _new_segment(flat.numel())
     out.copy_(flat)
     return out
 
@@ -323,4 +421,5 @@ def _share_pickle_by_name(obj: Any) -> str:
         return base64.b64encode(_share_pickle(obj)).decode()
 
 
-__all__ = ["TensorSync", "adapter_bucket", "serialize_adapter", "serialize_cuda_bucket", "tensor_payload"]
+__all__ = ["AdapterSegments", "TensorSync", "adapter_bucket", "serialize_adapter", "serialize_bucket",
+           "serialize_cuda_bucket", "tensor_payload"]

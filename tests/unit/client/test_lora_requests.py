@@ -86,3 +86,24 @@ def test_an_adapter_name_an_earlier_load_left_taken_is_unloaded_and_loaded_again
                                      "/update_weight_version"]
     assert calls[2][1] == {"lora_name": "agentloop-v3", "lora_path": "/run/weights/step-000003"}
     assert half.loaded == {"http://s": {3}}
+
+
+def test_the_push_order_names_the_adapters_no_server_holds_any_more():
+    """LoraHalf.order (weight_sync tensor): a version the learner pushed is reported released once every server
+    that loaded it unloaded it, and only once; the order survives its JSON trip (mailbox, Ray)."""
+    from types import SimpleNamespace
+
+    from agentloop.train.handle.protocol import PushOrder
+    from agentloop.train.weights.lora_servers import LoraHalf
+
+    half = LoraHalf.__new__(LoraHalf)
+    half.policy = SimpleNamespace(mode="retract")
+    half.loaded, half.handed = {"http://a": {1, 2}, "http://b": {2}}, {1, 2}
+    assert half.order(3, ["http://a", "http://b"]).released == ()
+    half.loaded["http://a"].discard(1)  # b never loaded 1, a unloaded it
+    order = half.order(3, ["http://a", "http://b"])
+    assert order == PushOrder(3, ("http://a", "http://b"), "retract", released=(1,))
+    assert PushOrder.from_json(order.to_json()) == order
+    assert half.order(3, ["http://a"]).released == () and half.handed == {2}
+    half.loaded = {"http://a": set(), "http://b": set()}
+    assert half.order(4, ["http://a"]).released == (2,)

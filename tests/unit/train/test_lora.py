@@ -92,15 +92,38 @@ def test_lora_training_moves_only_the_adapters_and_its_exports_give_the_learners
     assert (offline / "tokenizer_config.json").is_file()
 
 
+def _bucket_is_the_adapter(learner: Learner) -> torch.Tensor:
+    """Learner.adapter_bucket (views made once) against the bucket of adapter_tensors (read now), both ways."""
+    from agentloop.train.lora import adapter_state
+    from agentloop.train.weights.tensor import adapter_bucket
+
+    for on_device in (True, False):
+        flat, meta = learner.adapter_bucket(on_device=on_device)
+        want, want_meta = adapter_bucket(adapter_state(learner.adapter_tensors(on_device=on_device)))
+        assert torch.equal(flat, want) and [vars(m) for m in meta] == [vars(m) for m in want_meta]
+    return flat
+
+
 def test_lora_checkpoint_roundtrip_is_exact(tiny_model, tmp_path):
+    """...and the adapter weight_sync=tensor pushes (Learner.adapter_bucket) follows every step, a checkpoint's load
+    and a parameter whose tensor is replaced."""
     learner = Learner(tiny_model, AlgoConfig(), _cfg(lr=1e-2, mini_batches=2))
     try:
         learner.train_step(make_records(1), 1)
+        at_1 = _bucket_is_the_adapter(learner).clone()
         ck = learner.save_checkpoint(tmp_path / "ck")
         learner.train_step(make_records(2), 2)
+        assert not torch.equal(_bucket_is_the_adapter(learner), at_1)
         a = read_adapter(learner.save_adapter(tmp_path / "a"))[1]
         learner.load_checkpoint(ck)
         assert learner.step == 1
+        assert torch.equal(_bucket_is_the_adapter(learner), at_1)
+        p = next(p for n, p in learner.model.named_parameters() if ".lora_B." in n)
+        kept = p._local_tensor
+        p._local_tensor = kept.clone() + 1.0  # what a reload that swaps a tensor leaves
+        assert not torch.equal(_bucket_is_the_adapter(learner), at_1)
+        p._local_tensor = kept
+        assert torch.equal(_bucket_is_the_adapter(learner), at_1)
         learner.train_step(make_records(2), 2)  # needs the restored adapters and their Adam moments
         b = read_adapter(learner.save_adapter(tmp_path / "b"))[1]
     finally:
@@ -318,3 +341,32 @@ def test_save_adapter_copies_only_views_and_writes_them_whole(tmp_path):
     assert len(read) == 3
     torch.testing.assert_close(read["model.layers.0.self_attn.q_proj.lora_A.weight"], big[:2])
     torch.testing.assert_close(read["model.layers.0.self_attn.q_proj.lora_B.weight"], big[1:])
+
+
+def test_an_adapters_host_memory_is_written_again_only_once_no_server_holds_it():
+    """AdapterSegments: a version's segment is reused only after the order reported that version released; a
+    failed push's segment never is; released segments beyond `keep_free` are let go."""
+    from agentloop.train.weights.tensor import AdapterSegments
+
+    segs = AdapterSegments()
+    one = segs.take(64, pin=False)
+    segs.hold(1, one)
+    two = segs.take(64, pin=False)
+    assert two is not one  # version 1 is still held by the servers
+    segs.hold(2, two)
+    segs.release([])
+    assert segs.take(64, pin=False) not in (one, two)
+    segs.release([1, 7])  # 7: never pushed by this learner
+    assert [id(x) for x in segs.free] == [id(one)] and segs.take(32, pin=False) is not one  # another size: a fresh segment
+    assert segs.take(64, pin=False) is one and not segs.free
+    failed = segs.take(64, pin=False)
+    segs.forget(failed)
+    segs.release([2])
+    assert segs.take(64, pin=False) is two
+    three, four, five = (segs.take(64, pin=False) for _ in range(3))
+    for v, seg in ((3, three), (4, four), (5, five)):
+        segs.hold(v, seg)
+    segs.release([3, 4, 5])
+    assert segs.keep_free == 2 and [id(x) for x in segs.free] == [id(four), id(five)]
+    segs.close()
+    assert not segs.held and not segs.free
