@@ -198,6 +198,12 @@ class LocalServer:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env["PYTHONUNBUFFERED"] = "1"
+        if "--enable-lora" in self.extra_args:
+            # LoRA training loads an adapter every step and unloads the one before. SGLang restacks each load's
+            # q/k/v and gate/up into new host tensors; past glibc's default thresholds those are fresh mappings,
+            # page-faulted at every load. Kept in the heap, the unloaded adapter's memory takes the next one.
+            env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+            env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
         if self.device == "cpu":
             from agentloop.inference.sglang_cpu import site_dir
 
