@@ -158,11 +158,10 @@ def _push_parts(a: argparse.Namespace, learner) -> dict[str, float]:
     parts["read"], (flat, meta) = timed(lambda: learner.adapter_bucket(on_device=True))
 
     def alloc():
-        with tm._by_name():
-            return torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+        return tm._new_segment(flat.numel())
 
     parts["shm_alloc"], _ = timed(alloc)
-    parts["shm_alloc_copy"], shared = timed(lambda: tm._to_shared_memory(flat))
+    parts["shm_alloc_copy"], shared = timed(lambda: alloc().copy_(flat))
     cudart = torch.cuda.cudart()
 
     def pinned():

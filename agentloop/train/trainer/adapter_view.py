@@ -33,25 +33,20 @@ class AdapterView:
     def __init__(self, model: Any, dtype: Any = None):
         import torch
 
-        self.params = [p for n, p in model.named_parameters() if is_lora_key(n)]
-        names = [n for n, _ in model.named_parameters() if is_lora_key(n)]
+        named = [(n, p) for n, p in model.named_parameters() if is_lora_key(n)]
+        self.params = [p for _, p in named]
         self.sources = [_local(p) for p in self.params]
         self.addresses = [t.data_ptr() for t in self.sources]
         with torch.no_grad():
             self.views = [t.detach().reshape(-1) for t in self.sources]
         self.dtype = dtype
-        out = [str(dtype or t.dtype).removeprefix("torch.") for t in self.sources]
         self.meta: list[SimpleNamespace] = bucket_metadata(
-            [ParamMeta(PEFT_PREFIX + n, tuple(int(x) for x in t.shape), d)
-             for n, t, d in zip(names, self.sources, out)])
-        # as trained: each tensor's bytes as they are; cast: one cast after the concatenation where the parameters
-        # share a dtype (the usual case), else one per tensor
-        if dtype is None:
-            self.parts = [v.view(torch.uint8) for v in self.views]
-        elif len({t.dtype for t in self.sources}) <= 1:
-            self.parts = None
-        else:
-            self.parts = []
+            [ParamMeta(PEFT_PREFIX + n, tuple(int(x) for x in t.shape), str(dtype or t.dtype).removeprefix("torch."))
+             for (n, _), t in zip(named, self.sources)])
+        self.as_bytes = [v.view(torch.uint8) for v in self.views] if dtype is None else None
+        """dtype None (as trained): each tensor's bytes, concatenated as they are."""
+        self.one_dtype = len({t.dtype for t in self.sources}) <= 1
+        """Whether one cast after the concatenation does (the usual case), not one per tensor."""
 
     def current(self) -> bool:
         """Whether every parameter still holds the tensor and the memory the views were made of."""
@@ -64,9 +59,9 @@ class AdapterView:
         with torch.no_grad():
             if not self.views:
                 return torch.empty(0, dtype=torch.uint8)
-            if self.dtype is None:
-                return torch.cat(self.parts)
-            if self.parts is None:
+            if self.as_bytes is not None:
+                return torch.cat(self.as_bytes)
+            if self.one_dtype:
                 return torch.cat(self.views).to(self.dtype).view(torch.uint8)
             return torch.cat([v.to(self.dtype) for v in self.views]).view(torch.uint8)
 

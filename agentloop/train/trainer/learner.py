@@ -693,11 +693,11 @@ class Learner:
         from agentloop.train.trainer.adapter_view import AdapterView
         from agentloop.train.weights.tensor import adapter_bucket
 
+        if self.lora is None:
+            raise ValueError("adapter_bucket: this learner trains full weights (learner.lora.enabled is false)")
         if self.world > 1 or (not on_device and self.device_type != "cpu"):
             state = self.adapter_tensors(on_device=on_device)
             return adapter_bucket(adapter_state(state)) if self.rank == 0 else None
-        if self.lora is None:
-            raise ValueError("adapter_bucket: this learner trains full weights (learner.lora.enabled is false)")
         dtype = self.compute_dtype if on_device else None
         view = self._adapter_views.get(dtype)
         if view is None or not view.current():

@@ -140,7 +140,7 @@ class LoraHalf(ServerHalf):
     def order(self, step: int, targets: list[str]) -> PushOrder:
         """The push order, with the versions the learner handed the servers that none holds any more (unloaded
         everywhere it was loaded): the learner writes the next adapters into their host memory (TensorSync)."""
-        held = set().union(*self.loaded.values()) if self.loaded else set()
+        held = set().union(*self.loaded.values())
         released = sorted(self.handed - held)
         self.handed -= set(released)
         return PushOrder(step, tuple(targets), self.policy.mode, released=tuple(released))

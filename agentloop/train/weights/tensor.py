@@ -321,7 +321,7 @@ class AdapterSegments:
 
     def hold(self, version: int, segment: Any) -> None:
         old = self.held.pop(int(version), None)
-        if old is not None and old is not segment:  # a version pushed twice (a resumed run): the old one is gone
+        if old is not None and old is not segment:  # the same version pushed again: its old segment goes
             self._let_go(old)
         self.held[int(version)] = segment
 
@@ -406,13 +406,6 @@ def _new_segment(nbytes: int) -> Any:
 
     with _by_name():
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-
-
-def _to_shared_memory(flat: Any) -> Any:
-    """A copy of uint8 `flat` in a fresh shared-memory segment."""
-    out = _new_segment(flat.numel())
-    out.copy_(flat)
-    return out
 
 
 def _share_pickle_by_name(obj: Any) -> str:
