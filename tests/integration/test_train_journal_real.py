@@ -61,7 +61,10 @@ def test_a_killed_async_run_goes_on_from_its_journal(sglang_server, tiny_model_p
            f"train.steps={STEPS}", f"train.prompts_per_step={PROMPTS}", f"rollout.n_samples={SAMPLES}",
            "train.val_every=0", "sampling.max_new_tokens=6", "learner.lr=0.001", "train.tensorboard=false",
            "reward.custom=" + json.dumps(f"{plugin}:compute_score"), "reward.timeout_s=600",
-           "reward.executor=thread", "learner.checkpoint_every=1", "journal.write_interval_ms=1"]
+           # a thread for every episode in flight: with reward.workers' default 4, stalled groups could take them
+           # all while a passing group's second sample queued behind them (a deadlock CI met under load)
+           "reward.executor=thread", "reward.workers=64", "learner.checkpoint_every=1",
+           "journal.write_interval_ms=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = [tmp_path / "run1.log", tmp_path / "run2.log"]
     procs: list[subprocess.Popen] = []
@@ -94,6 +97,7 @@ def test_a_killed_async_run_goes_on_from_its_journal(sglang_server, tiny_model_p
         stall.unlink(missing_ok=True)
         for p in procs:
             _killpg(p.pid)
+            p.wait(30)
         for pid in learner_pids:
             _killpg(pid)
         asyncio.run(_load(url, str(tiny_model_path)))

@@ -396,9 +396,10 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     url = sglang_server.url
     run_dir = tmp_path / "run"
     # The Ctrl-C must land mid-run, not after it: a run of 3 steps this small can end before the test is scheduled
-    # again on a loaded box (it did: exit 0). So the rewards past step 1's four episodes wait while `hold` exists
-    # (at most 15 s: a Ctrl-C waits for a reward already running), and the run cannot get past step 2 before the
-    # SIGINT; the resumed run finds `hold` gone.
+    # again on a loaded box (it did: exit 0, and with a 15 s cap on the hold, once more in a loaded suite). So the
+    # rewards past step 1's four episodes wait while `hold` exists, which the test removes only once the SIGINT is
+    # sent (a Ctrl-C waits for a reward already running; the 100 s cap is a hang guard below reward.timeout_s),
+    # and the run cannot get past step 2 before the SIGINT; the resumed run finds `hold` gone.
     gate = tmp_path / "gate"
     gate.mkdir()
     (gate / "hold").touch()
@@ -411,7 +412,7 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
         "        f.write('x\\n')\n"
         "    with open(os.path.join(gate, 'calls')) as f:\n"
         "        n = len(f.read().splitlines())\n"
-        "    until = time.monotonic() + 15\n"
+        "    until = time.monotonic() + 100\n"
         "    while n > 4 and os.path.exists(os.path.join(gate, 'hold')) and time.monotonic() < until:\n"
         "        time.sleep(0.05)\n"
         "    return 0.0\n")
@@ -437,13 +438,13 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
             time.sleep(0.02)
         learner_pids.append(int(json.loads((run_dir / "mailbox" / "learner.json").read_text())["pid"]))
         os.killpg(proc.pid, signal.SIGINT)
+        (gate / "hold").unlink()
         rc = proc.wait(timeout=240)  # a hang guard, shorter than the run's 300 s deadlines
         assert rc == 130, f"exit {rc}:\n{_tail(log_path)}"
         assert _wait_dead(learner_pids[0], 120), "the learner outlived Ctrl-C"
         # the server was resumed if the interrupt hit a paused weight push: it still generates
         assert len(asyncio.run(_server_logprobs(url, FIXED))) == len(FIXED) - 1
 
-        (gate / "hold").unlink()
         with log2_path.open("wb") as log:
             second = subprocess.Popen(cmd + ["train.resume=true"], stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
