@@ -131,6 +131,21 @@ def test_generate_returns_ids_and_logprobs(sglang_server) -> None:  # type: igno
 
 
 @pytest.mark.sglang
+def test_a_cpu_servers_children_are_forked_not_spawned(sglang_server) -> None:  # type: ignore[no-untyped-def]
+    """The CPU server's scheduler and detokenizer are forked from the launcher process once it imported their
+    modules (agentloop.inference.sglang_cpu.launch_server): a spawned child would import sglang again (~40 s of a
+    server's start on the 2-core box). A forked child never exec'd, so it holds its parent's auxiliary vector (the
+    kernel's AT_RANDOM and stack addresses, new at every exec under ASLR); SGLang renames both (setproctitle), so
+    their command lines cannot tell."""
+    pid = sglang_server.server.pid
+    children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]
+    assert len(children) >= 2, children  # the scheduler and the detokenizer
+    parent = Path(f"/proc/{pid}/auxv").read_bytes()
+    assert all(Path(f"/proc/{c}/auxv").read_bytes() == parent for c in children)
+
+
+@pytest.mark.sglang
 def test_sampling_seed_is_reproducible_on_cpu(sglang_server) -> None:  # type: ignore[no-untyped-def]
     url = f"{sglang_server.url}/generate"
 
