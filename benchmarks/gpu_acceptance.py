@@ -36,6 +36,9 @@ paths that need two GPUs. Rows:
                          tensor (CUDA IPC: /update_weights_from_tensor vs /load_lora_adapter_from_tensors) and by
                          disk (save + server load); LoRA's peak below full weights', its tensor push < 0.05 s
                          (issue 32's target)
+    lora-train-0.5b      `agentloop train` on the 0.5B shape, server and learner colocated on GPU 0 (tensor), 6 steps
+                         of 16 x 8 x 256 tokens: full weights, LoRA rank 32, full weights again; steps/h of LoRA
+                         beside the second full run (the first compiles kernels), the adapter in the run's weights
   part two (resume, interrupts and the Ray kill at once, then the learner on two ranks, then Ray's cost)
     resume-nccl          as resume-tensor with learner.weight_sync=nccl (server GPU 0, learner GPU 1)
     resume-journal       after resume-nccl, on its GPUs: `agentloop train` (async, η = 1, nccl, the episode journal on
@@ -697,6 +700,46 @@ class Rows:
         if cost >= 0.02:
             raise Failed(r.figure + " (>= 2%)")
 
+    def lora_train(self, r: Row) -> None:
+        """Whole `agentloop train` runs on the 0.5B shape, server and learner colocated on one GPU (tensor sync), full
+        weights, then LoRA rank 32, then full weights again (the first run compiles kernels the later ones find
+        cached: the second full run is the side-by-side figure, the first one's shows the order's bias)."""
+        acc = self.acc
+        model = self.model("q05") if not acc.smoke else self.model("tiny")
+        steps = 6 if not acc.smoke else 3
+        prompts, samples, tokens = (16, 8, 256) if not acc.smoke else (2, 2, 16)
+        common = ["train", "--quiet", "--model", str(model), "--loop", "single_turn_agent_loop", "train.val_every=0",
+                  "train.tensorboard=false", f"train.steps={steps}",
+                  f"train.prompts_per_step={prompts}", f"rollout.n_samples={samples}",
+                  f"sampling.max_new_tokens={tokens}", "sampling.ignore_eos=true",
+                  "learner.micro_batch_tokens=8192", "learner.compile=off", "learner.checkpoint_every=null",
+                  *acc.server_overrides()]
+        if not acc.smoke:
+            common += ["learner.weight_sync=tensor", "server.gpus=[0]", "learner.gpus=[0]",
+                       "server.mem_fraction_static=0.3"]
+        lora = ["learner.lora.enabled=true", "learner.lora.rank=32", "learner.lora.alpha=64", "learner.lr=2e-5"]
+        res: dict[str, Any] = {}
+        for name, extra in (("full-first", []), ("lora", lora), ("full", [])):
+            run = acc.work / f"lora-train-{name}"
+            rc = acc.cli([*common, "--run-dir", str(run), *extra], Path(r.log), 280, gpus="0")
+            if rc != 0:
+                raise Failed(f"the {name} run exited {rc}")
+            rows = check_steps(run, steps)
+            check_servers(rows)
+            res[name] = {"steps_per_h": steps_per_hour(rows),
+                         "sync_s": statistics.fmean(x.get("time/sync_s", 0.0) for x in rows[1:]),
+                         "learner_s": statistics.fmean(x.get("time/learner_s", 0.0) for x in rows[1:])}
+        last = acc.work / "lora-train-lora" / "weights" / f"step-{steps:06d}"
+        if not (last / "adapter_model.safetensors").is_file():
+            raise Failed(f"the LoRA run left no adapter in {last}")
+        r.data = res
+        full, ad = res["full"], res["lora"]
+        r.figure = (f"{steps} steps of {prompts} x {samples} x {tokens} tokens: LoRA r32 **{ad['steps_per_h']:.0f}** "
+                    f"steps/h vs full **{full['steps_per_h']:.0f}** (first full run "
+                    f"{res['full-first']['steps_per_h']:.0f}, its kernels "
+                    f"compiled); weight sync {ad['sync_s']:.3f} vs {full['sync_s']:.3f} s a step, learner "
+                    f"{ad['learner_s']:.2f} vs {full['learner_s']:.2f} s")
+
     def plan_memory(self, r: Row) -> None:
         run = getattr(self, "_plan_run", None) or self.acc.work / "cost-separate-local"
         check_plan(r, run)
@@ -1119,6 +1162,8 @@ def part_one(acc: Acceptance, rows: Rows) -> None:
                 lambda r: rows.cost(r, "colocated"))
         acc.row("learner-1rank-0.5b", "bench train, varlen + compile, one rank, 0.5B shape", 90, "0",
                 lambda r: rows.learner(r, 1, "qwen2.5-0.5b-shape", "0"))
+        acc.row("lora-train-0.5b", "`agentloop train` with LoRA r32 vs full weights, 0.5B shape, colocated on GPU 0 "
+                "(tensor): steps/h side by side", 240, "0", rows.lora_train)
 
     def stream_b() -> None:  # GPU 1: the capacity bench, then the learner on one rank
         def single(r: Row) -> None:
