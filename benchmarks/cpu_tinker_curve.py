@@ -22,7 +22,8 @@ Parts, in the order they run:
     verdict      per step, each arm's mean over seeds; the cookbook's last-steps mean lies within the agentloop
                  runs' spread (min..max of their own last-steps means) widened by the cookbook's standard error
 
-Writes DIR/curves.json (every run's per-step reward, the verdict) and DIR/curves.md (a table of the means).
+Writes DIR/curves.json (every run's per-step reward, the verdict), DIR/curves.md (a table of the means) and
+DIR/curves.html (the curves).
 """
 
 from __future__ import annotations
@@ -227,8 +228,9 @@ def verdict(cook: list[list[float]], ours: list[list[float]], tail: int) -> dict
     lo, hi = min(ours_last), max(ours_last)
     return {"tail_steps": tail, "cookbook_last_means": cook_last, "agentloop_last_means": ours_last,
             "cookbook_mean": cm, "cookbook_se": se, "agentloop_range": [lo, hi],
-            "first_step": {"cookbook": statistics.fmean(c[0] for c in cook),
-                           "agentloop": statistics.fmean(c[0] for c in ours)},
+            "first_steps_mean": {"cookbook": statistics.fmean(statistics.fmean(c[:tail]) for c in cook),
+                                 "agentloop": statistics.fmean(statistics.fmean(c[:tail]) for c in ours)},
+            "agentloop_mean": statistics.fmean(ours_last),
             "within": lo - se <= cm <= hi + se}
 
 
@@ -247,8 +249,12 @@ def main() -> None:
     ap.add_argument("--warm-traces", type=int, default=8192)
     ap.add_argument("--tail", type=int, default=4, help="last steps averaged for the verdict")
     ap.add_argument("--arms", default="cookbook,agentloop")
+    ap.add_argument("--render", action="store_true", help="only write curves.md/.html from OUT/curves.json")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.render:
+        print(render(a.out, json.loads((a.out / "curves.json").read_text())))
+        return
     from agentloop.models.modelzoo import ensure_tiny_model
 
     cache = Path(os.environ.get("AGENTLOOP_CACHE", Path.home() / ".cache" / "agentloop")) / "models"
@@ -291,16 +297,32 @@ def main() -> None:
         result["verdict"] = verdict(result["cookbook"], result["agentloop"], a.tail)
         _log(f"verdict: {result['verdict']}")
     (a.out / "curves.json").write_text(json.dumps(result, indent=1))
-    lines = ["| step | cookbook via `agentloop tinker serve` (mean of seeds) | `agentloop train` (mean of seeds) |",
+    print(render(a.out, result))
+
+
+def render(out: Path, result: dict[str, Any]) -> str:
+    """curves.md and curves.html from a curves.json's content; returns the table."""
+    steps = max(len(c) for arm in ("cookbook", "agentloop") for c in result[arm])
+    lines = ["| step | cookbook via `agentloop tinker serve` (mean of seeds, min..max) | `agentloop train` (same) |",
              "|---|---|---|"]
-    for s in range(a.steps):
+    for s in range(steps):
         cells = []
         for arm in ("cookbook", "agentloop"):
             vals = [c[s] for c in result[arm] if len(c) > s]
             cells.append(f"{statistics.fmean(vals):+.3f} ({min(vals):+.3f}..{max(vals):+.3f})" if vals else "")
         lines.append(f"| {s + 1} | {cells[0]} | {cells[1]} |")
-    (a.out / "curves.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "curves.md").write_text("\n".join(lines) + "\n")
+    from agentloop.report.plots import write_curves_html
+
+    means = {arm: [(s + 1, statistics.fmean(c[s] for c in result[arm] if len(c) > s)) for s in range(steps)]
+             for arm in ("cookbook", "agentloop") if result[arm]}
+    seeds = {f"{arm} {i}": [(s + 1, v) for s, v in enumerate(c)] for arm in ("cookbook", "agentloop")
+             for i, c in enumerate(result[arm])}
+    write_curves_html(out / "curves.html", "tinker-cookbook math_rl (arithmetic): the Tinker service vs agentloop "
+                      "train (CPU, tiny model)", [("mean reward of the step's episodes, mean over seeds", means),
+                                                  ("each seed", seeds)],
+                      note=json.dumps(result.get("verdict", {})))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ The server holds one set of base weights at a time: a full-weights snapshot repl
 tracks which weights are loaded (None: the base model) and switches only when no request is in flight (a
 condition variable: requests needing the loaded weights go on; a switch waits for the others to drain).
 Token ids and the server's logprobs come back as SGLang computed them; nothing is re-tokenized.
+
+Connections: SGLang closes a connection idle for 5 s (uvicorn's keep-alive), so ours are dropped after `KEEPALIVE_S`;
+a request that still meets a connection the server closed under it (reset, or closed before any answer) is sent
+again, up to `RETRIES` times. Every call here may be repeated: a sample is drawn afresh, a weights load reloads the
+same files, an adapter found already loaded is loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ from typing import Any
 import aiohttp
 
 from agentloop.tinker.wire import SampledSeq
+
+KEEPALIVE_S = 3.0
+"""Seconds an idle connection to the server is kept (under SGLang's 5 s keep-alive)."""
+RETRIES = 2
+"""Times a request is sent again after its connection failed under it."""
 
 
 class SamplerError(RuntimeError):
@@ -84,7 +94,8 @@ class Sampler:
                                       startup_timeout_s=self.startup_timeout_s).start()
             await self.server.wait_ready()
             self.url = self.server.url
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout,
+                                              connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
         return self.url
 
     async def close(self) -> None:
@@ -97,13 +108,21 @@ class Sampler:
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         assert self._session is not None, "Sampler.start() first"
-        async with self._session.post(f"{self.url}{path}", json=body) as r:
-            text = await r.text()
-            if r.status != 200:
-                raise SamplerError(f"SGLang {path} answered {r.status}: {text[:500]}")
-            import json
+        for attempt in range(RETRIES + 1):
+            try:
+                async with self._session.post(f"{self.url}{path}", json=body) as r:
+                    text = await r.text()
+                    status = r.status
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:  # the module doc's connections
+                if attempt == RETRIES:
+                    raise SamplerError(f"SGLang {path}: the connection failed under the request {RETRIES + 1} "
+                                       f"times ({type(e).__name__}: {e})") from None
+        if status != 200:
+            raise SamplerError(f"SGLang {path} answered {status}: {text[:500]}")
+        import json
 
-            out = json.loads(text) if text else {}
+        out = json.loads(text) if text else {}
         if isinstance(out, dict) and out.get("success") is False:
             raise SamplerError(f"SGLang {path} failed: {out.get('message') or out.get('error_message')}")
         return out
@@ -112,7 +131,11 @@ class Sampler:
         async with self._adapter_lock:
             if name in self.adapters:
                 return
-            await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            try:
+                await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            except SamplerError as e:  # a load sent again after its answer was lost: the first one took
+                if "already loaded" not in str(e):
+                    raise
             self.adapters.add(name)
 
     async def _acquire(self, full: str | None) -> None:
