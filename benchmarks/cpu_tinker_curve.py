@@ -16,9 +16,10 @@ Parts, in the order they run:
                  data file: the prompt text is the renderer's, checked token for token), the same reward (a
                  plugin that runs the cookbook's own ArithmeticEnv.step on the response's tokens, and its flat
                  -0.1 for an answer cut at max_tokens), and the recipe's settings: synchronous, group-centred
-                 advantages without std scaling, a per-sequence token sum (the importance-sampling loss is a
-                 sum: with Adam only its relative weights matter), Adam (0.9, 0.95, eps 1e-12) without
-                 clipping, LoRA of the same rank and alpha, temperature 1
+                 advantages without std scaling, the mean over sequences of their token sums (the recipe's
+                 importance-sampling loss is the sum over the batch: the same gradient over the batch's size, so
+                 Adam's eps is scaled by it), Adam (0.9, 0.95) without clipping, LoRA of the same rank, alpha and
+                 targets, temperature 1
     verdict      per step, each arm's mean over seeds; the cookbook's last-steps mean lies within the agentloop
                  runs' spread (min..max of their own last-steps means) widened by the cookbook's standard error
 
@@ -181,8 +182,15 @@ def cookbook_run(url: str, model: Path, log: Path, a: argparse.Namespace, seed: 
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=3600).returncode
     if rc != 0:
         raise SystemExit(f"the cookbook's run exited {rc}: {log.parent / (log.name + '.out')}")
+    return read_cookbook(log)["reward"]
+
+
+def read_cookbook(log: Path) -> dict[str, list[float]]:
+    """A cookbook run's per-step mean reward and share of answers ending with the stop sequence (its metrics)."""
     rows = [json.loads(ln) for ln in (log / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    return [float(r["env/all/reward/total"]) for r in rows if "env/all/reward/total" in r]
+    rows = [r for r in rows if "env/all/reward/total" in r]
+    return {"reward": [float(r["env/all/reward/total"]) for r in rows],
+            "format": [float(r["env/all/format"]) for r in rows]}
 
 
 def agentloop_run(model: Path, data: Path, plugin: Path, run: Path, a: argparse.Namespace, seed: int) -> list[float]:
@@ -192,16 +200,45 @@ def agentloop_run(model: Path, data: Path, plugin: Path, run: Path, a: argparse.
            f"rollout.n_samples={a.group_size}", f"sampling.max_new_tokens={a.max_tokens}",
            "sampling.stop=" + json.dumps([STOP]), "sampling.temperature=1.0", "train.schedule=sync",
            "train.val_every=0", "train.tensorboard=false", f"learner.lr={a.lr}", "learner.betas=[0.9,0.95]",
-           "learner.adam_eps=1e-12", "learner.grad_clip=null", "learner.lora.enabled=true",
+           # the recipe's Adam eps (1e-8) is on a loss summed over the batch's sequences; ours is their mean
+           f"learner.adam_eps={1e-8 / (a.groups * a.group_size):.6g}", "learner.grad_clip=null",
+           "learner.lora.enabled=true",
            f"learner.lora.rank={a.rank}", f"learner.lora.alpha={a.alpha}", "algo.norm_adv_by_std=false",
            "algo.loss_agg_mode=seq-mean-token-sum", f"reward.custom={plugin}:compute_score",
+           # the train preset's KL to the reference (0.1) and lr warm-up (2 steps) are not the recipe's: a first run
+           # with them kept learned the format term, then gave it back to the reference (0.9 -> 0.73 of the answers
+           # stopping, against the recipe's 1.0)
+           "algo.kl_coef=0", "learner.warmup_steps=0",
            "learner.checkpoint_every=null", f"learner.seed={seed}", f"learner.lora.seed={seed}", f"rollout.seed={seed}"]
     with (run.parent / f"{run.name}.out").open("w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=3600).returncode
     if rc != 0:
         raise SystemExit(f"`agentloop train` exited {rc}: {run.parent / (run.name + '.out')}")
+    return read_agentloop(run)["reward"]
+
+
+def read_agentloop(run: Path) -> dict[str, list[float]]:
+    """An `agentloop train` run's per-step mean reward (metrics.jsonl) and share of answers ending with the stop
+    sequence (the reward plugin's `format`, in each step's episode records)."""
+    from agentloop.records import read_records
+
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    return [float(r["train/reward"]) for r in rows if r.get("step", 0) >= 1]
+    rows = [r for r in rows if r.get("step", 0) >= 1]
+    fmt = []
+    for r in rows:
+        recs = [e for e in read_records(run / "rollouts" / f"step-{int(r['step']):06d}.jsonl") if e.reward_info]
+        fmt.append(statistics.fmean(float(e.reward_info.get("format", 0.0)) for e in recs))
+    return {"reward": [float(r["train/reward"]) for r in rows], "format": fmt}
+
+
+def collect(out: Path, cookbook_dir: Path) -> dict[str, dict[str, list[list[float]]]]:
+    """Every run's curves, read back from its files: the cookbook's from `cookbook_dir`, agentloop's from `out`."""
+    arms: dict[str, dict[str, list[list[float]]]] = {}
+    for arm, base, read in (("cookbook", cookbook_dir, read_cookbook), ("agentloop", out, read_agentloop)):
+        runs = sorted((d for d in base.glob(f"{arm}-*") if d.is_dir()), key=lambda d: int(d.name.rsplit("-", 1)[1]))
+        curves = [read(d) for d in runs]
+        arms[arm] = {k: [c[k] for c in curves] for k in ("reward", "format")}
+    return arms
 
 
 def serve(run: Path, model: Path) -> tuple[subprocess.Popen, str]:
@@ -219,6 +256,8 @@ def serve(run: Path, model: Path) -> tuple[subprocess.Popen, str]:
 # ---------------------------------------------------------------- the verdict
 
 def verdict(cook: list[list[float]], ours: list[list[float]], tail: int) -> dict[str, Any]:
+    """The cookbook arm's mean over its last `tail` steps (mean over seeds) against the agentloop runs' spread of
+    the same figure, widened by the cookbook mean's standard error."""
     def last(c: list[float]) -> float:
         return statistics.fmean(c[-tail:])
 
@@ -227,11 +266,50 @@ def verdict(cook: list[list[float]], ours: list[list[float]], tail: int) -> dict
     se = statistics.stdev(cook_last) / len(cook_last) ** 0.5 if len(cook_last) > 1 else 0.0
     lo, hi = min(ours_last), max(ours_last)
     return {"tail_steps": tail, "cookbook_last_means": cook_last, "agentloop_last_means": ours_last,
-            "cookbook_mean": cm, "cookbook_se": se, "agentloop_range": [lo, hi],
+            "cookbook_mean": cm, "cookbook_se": se, "agentloop_mean": statistics.fmean(ours_last),
+            "agentloop_range": [lo, hi],
             "first_steps_mean": {"cookbook": statistics.fmean(statistics.fmean(c[:tail]) for c in cook),
                                  "agentloop": statistics.fmean(statistics.fmean(c[:tail]) for c in ours)},
-            "agentloop_mean": statistics.fmean(ours_last),
             "within": lo - se <= cm <= hi + se}
+
+
+def judge(arms: dict[str, dict[str, list[list[float]]]], tail: int) -> dict[str, Any]:
+    """The verdict on the reward and on the stop share (the recipe's format term: far less noisy than the
+    reward, whose correct answers are rare on this model); matched when both are within."""
+    out = {k: verdict(arms["cookbook"][k], arms["agentloop"][k], tail) for k in ("reward", "format")}
+    out["matched"] = all(v["within"] for v in out.values())
+    return out
+
+
+def render(out: Path, result: dict[str, Any]) -> str:
+    """curves.md and curves.html from a curves.json's content; returns the tables."""
+    arms = result["arms"]
+    steps = max(len(c) for arm in arms.values() for c in arm["reward"])
+    text = []
+    for key, what in (("reward", "mean reward of the step's episodes"),
+                      ("format", "share of the step's answers ending with the stop sequence")):
+        lines = [f"{what}, mean of seeds (min..max)", "",
+                 "| step | cookbook via `agentloop tinker serve` | `agentloop train` |", "|---|---|---|"]
+        for s in range(steps):
+            cells = []
+            for arm in ("cookbook", "agentloop"):
+                vals = [c[s] for c in arms[arm][key] if len(c) > s]
+                cells.append(f"{statistics.fmean(vals):+.3f} ({min(vals):+.3f}..{max(vals):+.3f})" if vals else "")
+            lines.append(f"| {s + 1} | {cells[0]} | {cells[1]} |")
+        text.append("\n".join(lines))
+    (out / "curves.md").write_text("\n\n".join(text) + "\n")
+    from agentloop.report.plots import write_curves_html
+
+    charts = []
+    for key, what in (("reward", "reward"), ("format", "share ending with the stop sequence")):
+        means = {arm: [(s + 1, statistics.fmean(c[s] for c in arms[arm][key] if len(c) > s)) for s in range(steps)]
+                 for arm in ("cookbook", "agentloop") if arms[arm][key]}
+        seeds = {f"{arm} {i}": [(s + 1, v) for s, v in enumerate(c)] for arm in ("cookbook", "agentloop")
+                 for i, c in enumerate(arms[arm][key])}
+        charts += [(f"{what}: mean over seeds", means), (f"{what}: each seed", seeds)]
+    write_curves_html(out / "curves.html", "tinker-cookbook math_rl (arithmetic): the Tinker service vs agentloop "
+                      "train (CPU, tiny model)", charts, note=json.dumps(result.get("verdict", {})))
+    return "\n\n".join(text)
 
 
 def main() -> None:
@@ -249,11 +327,12 @@ def main() -> None:
     ap.add_argument("--warm-traces", type=int, default=8192)
     ap.add_argument("--tail", type=int, default=4, help="last steps averaged for the verdict")
     ap.add_argument("--arms", default="cookbook,agentloop")
-    ap.add_argument("--render", action="store_true", help="only write curves.md/.html from OUT/curves.json")
+    ap.add_argument("--cookbook-from", type=Path, help="read the cookbook arm's runs from this earlier OUT dir")
+    ap.add_argument("--render", action="store_true", help="only read OUT's runs back, judge, write the files")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.render:
-        print(render(a.out, json.loads((a.out / "curves.json").read_text())))
+        finish(a.out, a.cookbook_from or a.out, {"settings": {k: str(v) for k, v in vars(a).items()}}, a.tail)
         return
     from agentloop.models.modelzoo import ensure_tiny_model
 
@@ -264,7 +343,7 @@ def main() -> None:
     data_file(model, a.steps, a.groups, data)
     plugin.write_text(REWARD_PLUGIN.format(model=str(model), max_tokens=a.max_tokens, stop=STOP))
     result: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-                              "model": str(model), "cookbook": [], "agentloop": []}
+                              "model": str(model)}
     arms = a.arms.split(",")
     if "cookbook" in arms:
         svc_dir = a.out / "service"
@@ -275,7 +354,6 @@ def main() -> None:
             for seed in range(a.seeds):
                 t = time.monotonic()
                 curve = cookbook_run(url, model, a.out / f"cookbook-{seed}", a, seed)
-                result["cookbook"].append(curve)
                 _log(f"cookbook seed {seed}: {time.monotonic() - t:.0f} s, reward {[round(x, 3) for x in curve]}")
         finally:
             proc.terminate()
@@ -291,38 +369,19 @@ def main() -> None:
             shutil.rmtree(run, ignore_errors=True)
             t = time.monotonic()
             curve = agentloop_run(model, data, plugin, run, a, seed)
-            result["agentloop"].append(curve)
             _log(f"agentloop seed {seed}: {time.monotonic() - t:.0f} s, reward {[round(x, 3) for x in curve]}")
-    if result["cookbook"] and result["agentloop"]:
-        result["verdict"] = verdict(result["cookbook"], result["agentloop"], a.tail)
-        _log(f"verdict: {result['verdict']}")
-    (a.out / "curves.json").write_text(json.dumps(result, indent=1))
-    print(render(a.out, result))
+    finish(a.out, a.cookbook_from or a.out, result, a.tail)
 
 
-def render(out: Path, result: dict[str, Any]) -> str:
-    """curves.md and curves.html from a curves.json's content; returns the table."""
-    steps = max(len(c) for arm in ("cookbook", "agentloop") for c in result[arm])
-    lines = ["| step | cookbook via `agentloop tinker serve` (mean of seeds, min..max) | `agentloop train` (same) |",
-             "|---|---|---|"]
-    for s in range(steps):
-        cells = []
-        for arm in ("cookbook", "agentloop"):
-            vals = [c[s] for c in result[arm] if len(c) > s]
-            cells.append(f"{statistics.fmean(vals):+.3f} ({min(vals):+.3f}..{max(vals):+.3f})" if vals else "")
-        lines.append(f"| {s + 1} | {cells[0]} | {cells[1]} |")
-    (out / "curves.md").write_text("\n".join(lines) + "\n")
-    from agentloop.report.plots import write_curves_html
-
-    means = {arm: [(s + 1, statistics.fmean(c[s] for c in result[arm] if len(c) > s)) for s in range(steps)]
-             for arm in ("cookbook", "agentloop") if result[arm]}
-    seeds = {f"{arm} {i}": [(s + 1, v) for s, v in enumerate(c)] for arm in ("cookbook", "agentloop")
-             for i, c in enumerate(result[arm])}
-    write_curves_html(out / "curves.html", "tinker-cookbook math_rl (arithmetic): the Tinker service vs agentloop "
-                      "train (CPU, tiny model)", [("mean reward of the step's episodes, mean over seeds", means),
-                                                  ("each seed", seeds)],
-                      note=json.dumps(result.get("verdict", {})))
-    return "\n".join(lines)
+def finish(out: Path, cookbook_dir: Path, result: dict[str, Any], tail: int) -> None:
+    """Read every run back, judge, write curves.json / .md / .html."""
+    result["arms"] = collect(out, cookbook_dir)
+    result["cookbook_dir"] = str(cookbook_dir)
+    if all(result["arms"][arm]["reward"] for arm in ("cookbook", "agentloop")):
+        result["verdict"] = judge(result["arms"], tail)
+        _log(f"verdict: {json.dumps(result['verdict'])}")
+    (out / "curves.json").write_text(json.dumps(result, indent=1))
+    print(render(out, result))
 
 
 if __name__ == "__main__":

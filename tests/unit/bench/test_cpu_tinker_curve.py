@@ -81,3 +81,16 @@ def test_the_verdict_reads_the_spread():
     ours = [[0.0, 0.02, 0.04], [0.0, 0.04, 0.06], [0.0, 0.03, 0.05]]
     assert mod.verdict([[0.0, 0.03, 0.05], [0.0, 0.03, 0.05]], ours, 2)["within"]
     assert not mod.verdict([[0.0, 0.2, 0.3], [0.0, 0.21, 0.3]], ours, 2)["within"]
+
+
+def test_matched_needs_both_the_reward_and_the_stop_share_within():
+    mod = _script()
+    reward = {"cookbook": [[0.0, 0.03, 0.05]] * 2, "agentloop": [[0.0, 0.02, 0.04], [0.0, 0.04, 0.06]]}
+    close = {"cookbook": [[0.5, 0.9, 1.0]] * 2, "agentloop": [[0.5, 0.9, 0.98], [0.5, 0.95, 1.0]]}
+    # the first comparison run: the train preset's KL to the reference kept the stop share at ~0.75
+    apart = {"cookbook": [[0.5, 0.9, 1.0]] * 2, "agentloop": [[0.5, 0.8, 0.72], [0.5, 0.85, 0.76]]}
+    arms = {arm: {"reward": reward[arm], "format": close[arm]} for arm in reward}
+    assert mod.judge(arms, 2)["matched"]
+    arms = {arm: {"reward": reward[arm], "format": apart[arm]} for arm in reward}
+    got = mod.judge(arms, 2)
+    assert got["reward"]["within"] and not got["format"]["within"] and not got["matched"]
