@@ -178,11 +178,17 @@ def cookbook_run(url: str, model: Path, log: Path, a: argparse.Namespace, seed: 
            f"max_tokens={a.max_tokens}", f"lora_rank={a.rank}", f"learning_rate={a.lr}", f"max_steps={a.steps}",
            "eval_every=0", "save_every=0", "loss_fn=importance_sampling", f"seed={seed}", f"base_url={url}",
            f"log_path={log}", "behavior_if_log_dir_exists=delete"]
-    with (log.parent / f"{log.name}.out").open("w") as out:
+    _run(cmd, log, "the cookbook's run")
+    return read_cookbook(log)["reward"]
+
+
+def _run(cmd: list[str], run: Path, what: str) -> None:
+    """`cmd` to the end, its output in RUN.out beside the run's dir; SystemExit naming that file if it fails."""
+    out_path = run.parent / f"{run.name}.out"
+    with out_path.open("w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=3600).returncode
     if rc != 0:
-        raise SystemExit(f"the cookbook's run exited {rc}: {log.parent / (log.name + '.out')}")
-    return read_cookbook(log)["reward"]
+        raise SystemExit(f"{what} exited {rc}: {out_path}")
 
 
 def read_cookbook(log: Path) -> dict[str, list[float]]:
@@ -210,10 +216,7 @@ def agentloop_run(model: Path, data: Path, plugin: Path, run: Path, a: argparse.
            # stopping, against the recipe's 1.0)
            "algo.kl_coef=0", "learner.warmup_steps=0",
            "learner.checkpoint_every=null", f"learner.seed={seed}", f"learner.lora.seed={seed}", f"rollout.seed={seed}"]
-    with (run.parent / f"{run.name}.out").open("w") as out:
-        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, timeout=3600).returncode
-    if rc != 0:
-        raise SystemExit(f"`agentloop train` exited {rc}: {run.parent / (run.name + '.out')}")
+    _run(cmd, run, "`agentloop train`")
     return read_agentloop(run)["reward"]
 
 
