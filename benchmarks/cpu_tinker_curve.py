@@ -53,7 +53,6 @@ import functools
 from transformers import AutoTokenizer
 
 MODEL = {model!r}
-MAX_TOKENS = {max_tokens}
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,13 +65,12 @@ def _renderer():
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticEnv
     tok, renderer = _renderer()
-    ids = tok.encode(solution_str, add_special_tokens=False)
     ended = STOP_TEXT in solution_str or (tok.eos_token and tok.eos_token in solution_str)
     if not ended:  # cut at max_tokens: the cookbook ends the episode with its flat context_overflow_reward
         return {{"score": -0.1, "correct": 0.0, "format": 0.0, "cut": 1.0}}
     env = ArithmeticEnv(int(extra_info["x"]), int(extra_info["y"]), renderer=renderer,
                         convo_prefix=ArithmeticEnv.standard_fewshot_prefix())
-    step = asyncio.run(env.step(ids))
+    step = asyncio.run(env.step(tok.encode(solution_str, add_special_tokens=False)))
     return {{"score": float(step.reward), "correct": float(step.metrics["correct"]),
             "format": float(step.metrics["format"]), "cut": 0.0}}
 
@@ -344,7 +342,7 @@ def main() -> None:
     _log(f"model {model}")
     data, plugin = a.out / "arithmetic.jsonl", a.out / "cookbook_reward.py"
     data_file(model, a.steps, a.groups, data)
-    plugin.write_text(REWARD_PLUGIN.format(model=str(model), max_tokens=a.max_tokens, stop=STOP))
+    plugin.write_text(REWARD_PLUGIN.format(model=str(model), stop=STOP))
     result: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                               "model": str(model)}
     arms = a.arms.split(",")

@@ -22,7 +22,7 @@ def _script():
 
 def _plugin(mod, model: Path, tmp_path: Path):
     path = tmp_path / "cookbook_reward.py"
-    path.write_text(mod.REWARD_PLUGIN.format(model=str(model), max_tokens=10, stop=mod.STOP))
+    path.write_text(mod.REWARD_PLUGIN.format(model=str(model), stop=mod.STOP))
     spec = importlib.util.spec_from_file_location("cookbook_reward_under_test", path)
     plugin = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plugin)
