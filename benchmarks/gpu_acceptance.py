@@ -379,6 +379,10 @@ def summary(run: Path) -> dict[str, Any]:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
+COLOCATED = ("learner.weight_sync=tensor", "server.gpus=[0]", "learner.gpus=[0]", "server.mem_fraction_static=0.3")
+"""A local run's server and learner on GPU 0, weights pushed by tensor (the one-GPU placement)."""
+
+
 def check_steps(run: Path, steps: int) -> list[dict[str, Any]]:
     rows = metrics(run)
     got = [int(r["step"]) for r in rows if r.get("step", 0) >= 1]
@@ -662,20 +666,28 @@ class Rows:
 
     # ---- Ray
 
+    def _whole_run(self) -> tuple[list[str], int, tuple[int, int, int]]:
+        """The `agentloop train` arguments of the rows that time whole runs on the 0.5B shape (Ray's cost, LoRA's
+        steps/h; the tiny model and small steps in the smoke), without a placement: those, the steps, and
+        (prompts, samples, tokens) of a step."""
+        acc = self.acc
+        model = self.model("q05") if not acc.smoke else self.model("tiny")
+        steps = 6 if not acc.smoke else 3
+        shape = (16, 8, 256) if not acc.smoke else (2, 2, 16)
+        args = ["train", "--quiet", "--model", str(model), "--loop", "single_turn_agent_loop", "train.val_every=0",
+                "train.tensorboard=false", f"train.steps={steps}", f"train.prompts_per_step={shape[0]}",
+                f"rollout.n_samples={shape[1]}", f"sampling.max_new_tokens={shape[2]}", "sampling.ignore_eos=true",
+                "learner.micro_batch_tokens=8192", "learner.compile=off", "learner.checkpoint_every=null",
+                *acc.server_overrides()]
+        return args, steps, shape
+
     def cost(self, r: Row, placement: str) -> None:
         """The same run local then through Ray; steps/h of each (steps after the first)."""
         acc = self.acc
-        model = self.model("q05") if not acc.smoke else self.model("tiny")
-        common = ["train", "--quiet", "--model", str(model), "--loop", "single_turn_agent_loop", "train.val_every=0",
-                  "train.tensorboard=false", f"train.steps={6 if not acc.smoke else 3}",
-                  f"train.prompts_per_step={16 if not acc.smoke else 2}", "rollout.n_samples=8" if not acc.smoke
-                  else "rollout.n_samples=2", f"sampling.max_new_tokens={256 if not acc.smoke else 16}",
-                  "sampling.ignore_eos=true", "learner.micro_batch_tokens=8192", "learner.compile=off",
-                  "learner.checkpoint_every=null", *acc.server_overrides()]
+        common, steps, _ = self._whole_run()
         if placement == "colocated":
             gpus = "0"
-            local = ["learner.weight_sync=tensor", "server.gpus=[0]", "learner.gpus=[0]",
-                     "server.mem_fraction_static=0.3"]
+            local = COLOCATED
             ray = ["learner.weight_sync=tensor", "cluster.backend=ray", "cluster.colocate=true",
                    "server.mem_fraction_static=0.3"]
         else:
@@ -691,7 +703,7 @@ class Rows:
             rc = acc.cli([*common, "--run-dir", str(run), *extra], Path(r.log), 280, gpus=gpus)
             if rc != 0:
                 raise Failed(f"the {name} run exited {rc}")
-            res[name] = steps_per_hour(check_steps(run, 6 if not acc.smoke else 3))
+            res[name] = steps_per_hour(check_steps(run, steps))
         cost = (res["local"] - res["ray"]) / res["local"]
         r.data = {"steps_per_h": res, "cost": cost}
         r.figure = f"local {res['local']:.0f} steps/h, Ray {res['ray']:.0f} steps/h: Ray costs {100 * cost:+.1f}%"
@@ -705,18 +717,9 @@ class Rows:
         weights, then LoRA rank 32, then full weights again (the first run compiles kernels the later ones find
         cached: the second full run is the side-by-side figure, the first one's shows the order's bias)."""
         acc = self.acc
-        model = self.model("q05") if not acc.smoke else self.model("tiny")
-        steps = 6 if not acc.smoke else 3
-        prompts, samples, tokens = (16, 8, 256) if not acc.smoke else (2, 2, 16)
-        common = ["train", "--quiet", "--model", str(model), "--loop", "single_turn_agent_loop", "train.val_every=0",
-                  "train.tensorboard=false", f"train.steps={steps}",
-                  f"train.prompts_per_step={prompts}", f"rollout.n_samples={samples}",
-                  f"sampling.max_new_tokens={tokens}", "sampling.ignore_eos=true",
-                  "learner.micro_batch_tokens=8192", "learner.compile=off", "learner.checkpoint_every=null",
-                  *acc.server_overrides()]
+        common, steps, (prompts, samples, tokens) = self._whole_run()
         if not acc.smoke:
-            common += ["learner.weight_sync=tensor", "server.gpus=[0]", "learner.gpus=[0]",
-                       "server.mem_fraction_static=0.3"]
+            common += COLOCATED
         lora = ["learner.lora.enabled=true", "learner.lora.rank=32", "learner.lora.alpha=64", "learner.lr=2e-5"]
         res: dict[str, Any] = {}
         for name, extra in (("full-first", []), ("lora", lora), ("full", [])):
