@@ -63,6 +63,8 @@ written after each one, and at ACC_HARD_S (budget + 45 s) with the logs, so a ca
 
 Env: ACC_COMMIT (the commit, when the tree has no .git), ACC_SERVER_ARGS (extra SGLang flags, default the offline
 bundle's: triton attention, pytorch sampling, no grammar backend), ACC_ROWS (comma list: only these rows),
+ACC_WORK (the rows' runs and logs, default /tmp/acceptance_PART: emptied at each call, so no row resumes an earlier
+call's run; a directory the harness did not make is refused),
 On a machine with one GPU, part one's rows run one after another on it (every GPU index is GPU 0).
 ACC_SMOKE=1 (the harness itself on the CPU: tiny model, CPU SGLang, disk sync, small sizes; GPU-only rows skip).
 """
@@ -181,12 +183,32 @@ class Failed(Exception):
     """A row's check failed: the message is its figure."""
 
 
+WORK_MARK = ".acceptance-work"
+"""The file that marks a work dir as this harness's own (emptied at the next call)."""
+
+
+def _fresh_work(work: Path, *, default: bool) -> Path:
+    """`work` emptied for this call: the rows' runs are named, and a run dir left by an earlier call would be resumed
+    (`agentloop train --run-dir` goes on with a finished run) and its old figures reported, its logs appended to. A
+    dir the harness did not make (ACC_WORK naming one without its mark) is refused, not emptied."""
+    import shutil
+
+    if work.is_dir() and any(work.iterdir()):
+        if not (default or (work / WORK_MARK).is_file()):
+            raise SystemExit(f"ACC_WORK={work} holds files this harness did not write; name an empty or new directory")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARK).write_text("benchmarks/gpu_acceptance.py's work dir: emptied at its next call\n")
+    return work
+
+
 class Acceptance:
     def __init__(self, part: str, out: Path, budget_s: float, smoke: bool, only: set[str] | None):
         self.part, self.out, self.smoke, self.only = part, out, smoke, only
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget_s
-        self.work = Path(os.environ.get("ACC_WORK", f"/tmp/acceptance_{part}"))
+        self.work = _fresh_work(Path(os.environ.get("ACC_WORK", f"/tmp/acceptance_{part}")),
+                                default="ACC_WORK" not in os.environ)
         self.logs = self.work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.rows: list[Row] = []

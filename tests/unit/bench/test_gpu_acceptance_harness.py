@@ -10,6 +10,8 @@ import inspect
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -29,3 +31,24 @@ def test_every_row_the_parts_call_is_a_method_of_rows():
     assert {"resume", "interrupt", "capacity", "kill_server", "learner"} <= called
     methods = {name for name, _ in inspect.getmembers(mod.Rows, inspect.isfunction)}
     assert called - methods == set(), f"rows.{sorted(called - methods)} called but not methods of Rows"
+
+
+def test_each_call_starts_from_an_empty_work_dir(tmp_path):
+    """A run dir an earlier call left would be resumed by the next call's `agentloop train --run-dir` (finished,
+    so it reports the old run's figures: a second smoke of lora-train-0.5b did); the harness's own work dir is
+    emptied, one it did not make is refused."""
+    mod = _harness()
+    work = tmp_path / "acceptance_one"
+    mod._fresh_work(work, default=False)  # new: made and marked
+    (work / "lora-train-lora").mkdir()
+    (work / "lora-train-lora" / "metrics.jsonl").write_text("{}\n")
+    mod._fresh_work(work, default=False)
+    assert sorted(p.name for p in work.iterdir()) == [mod.WORK_MARK]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="did not write"):
+        mod._fresh_work(foreign, default=False)
+    assert (foreign / "notes.txt").read_text() == "keep"
+    mod._fresh_work(foreign, default=True)  # the harness's default path is its own, mark or not
+    assert sorted(p.name for p in foreign.iterdir()) == [mod.WORK_MARK]
