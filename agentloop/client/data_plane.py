@@ -230,6 +230,9 @@ class DataPlane:
             url = s.urls[idx]
             ts = time.monotonic()
             pauses = s.pauses
+            named = (url, stamp) if s.lora_adapters and stamp else None
+            if named is not None:
+                s.adapter_inflight[named] += 1
             try:
                 s.stats["requests"] += 1
                 raw = await self._post_generate(url, data, timeout=max(0.001, min(s.cfg.request_timeout_s,
@@ -284,6 +287,10 @@ class DataPlane:
                 raise
             finally:
                 s.router.release(idx)
+                if named is not None:
+                    s.adapter_inflight[named] -= 1
+                    if s.adapter_inflight[named] <= 0:
+                        del s.adapter_inflight[named]
                 s.changed.set()
             s.router.record_success(idx)
             s.answered_at[idx] = time.monotonic()

@@ -66,6 +66,9 @@ class ManagerState:
         self.lora_adapters = False
         """LoRA training (agentloop.train.weights.lora_servers): version v > 0 is the adapter `agentloop-v<v>`, each
         request names its server's adapter (`lora_path`) and all its tokens carry that version."""
+        self.adapter_inflight: Counter[tuple[str, int]] = Counter()
+        """LoRA: this client's /generate calls in flight per (server url, adapter version): an adapter is unloaded
+        only once none names it (lora_servers), as SGLang holds its LoRA lock until the last one ends."""
         self.on_event = on_event
         self.session: aiohttp.ClientSession | None = None
         """Admin calls, health probes and https /generate."""

@@ -180,6 +180,8 @@ class LocalServer:
         """The argv this server runs."""
         if self.device == "cpu":
             argv = [sys.executable, "-m", "agentloop.inference.sglang_cpu.launch_server"]
+        elif "--enable-lora" in self.extra_args:  # SGLang's own launcher, with a LoRA fix older releases need
+            argv = [sys.executable, "-m", "agentloop.inference.sglang_fixes"]
         else:
             argv = [sys.executable, "-m", "sglang.launch_server"]
         argv += ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port)]
@@ -221,6 +223,9 @@ class LocalServer:
             # first broadcast with "Cuda failure 'invalid argument'" on an H200 pair while NCCL used
             # cuMem handles across processes; the legacy IPC path works (0.07 s per 0.5B sync).
             env.setdefault("NCCL_CUMEM_ENABLE", "0")
+            if "--enable-lora" in self.extra_args:  # agentloop.inference.sglang_fixes importable in the child
+                package_root = str(Path(__file__).resolve().parents[2])
+                env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
             if self.gpu_id is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
         return env

@@ -18,10 +18,12 @@ def main(argv: list[str] | None = None) -> None:
     from agentloop.inference.sglang_cpu.no_pin import install as install_no_pin
     from agentloop.inference.sglang_cpu.ops import register
     from agentloop.inference.sglang_cpu.seeded_sampling import install
+    from agentloop.inference.sglang_fixes import install as install_fixes
 
     register()
     install()
     install_no_pin()
+    install_fixes()
     sys.argv = ["sglang.launch_server", *(sys.argv[1:] if argv is None else argv)]
     if "--enable-memory-saver" not in sys.argv:  # its children need a fresh process (a preloaded library)
         _fork_children()

@@ -5,13 +5,17 @@ weight_sync disk:
     learner half: DiskSync.publish -> Learner.save_served: weights/step-N is a PEFT adapter directory (a few MB)
     server half:  LoraHalf.load: pause (the interrupt mode's), POST /load_lora_adapter {"lora_name": "agentloop-vN",
                   "lora_path": weights/step-N} and /update_weight_version {"new_version": "N"} on every reachable
-                  server, the servers marked as serving N, resume; then the previous adapter is unloaded in the
-                  background (SGLang waits for the requests still using it)
+                  server, the servers marked as serving N, resume; then the older adapters no call names any more
+                  are unloaded in the background, and those unloads have ended before the next pause (SGLang's
+                  unload holds its LoRA lock until its last request ends: one left waiting across a pause, on a
+                  request frozen by it, would hold the next load forever); an adapter still named waits for a
+                  later push
 weight_sync tensor (no file written while training):
     learner half: TensorSync.push_adapter: /load_lora_adapter_from_tensors + /update_weight_version, while
     server half:  LoraHalf.deliver (a SyncRequest) holds the servers paused, as PushHalf does; then the same
                   background unload. A server that comes back stale waits for the next push (no directory to
                   reload), except version 0 (the base: no adapter); a resumed run reloads weights/step-C from disk.
+                  The same unload discipline.
 
 Which adapter a request uses: the data plane names its server's version's adapter in every /generate (`lora_path`,
 agentloop.client.data_plane; version 0 is the base model, which a fresh adapter equals), and every token of the
@@ -48,6 +52,8 @@ class LoraHalf(ServerHalf):
         """Adapter versions this run loaded, per server URL (what is unloaded later)."""
         self.handed: set[int] = set()
         """Versions the learner pushed itself (weight_sync tensor) whose release it has not been told yet."""
+        self.unloading: dict[str, asyncio.Future] = {}
+        """The unloads started after the last push, per server URL (awaited before the next pause)."""
 
     async def _load_one(self, url: str, path: str, version: int) -> None:
         s = self.sm.state
@@ -74,17 +80,44 @@ class LoraHalf(ServerHalf):
         await s.admin_post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         self.loaded.setdefault(url, set()).add(version)
 
-    async def _unload_older(self, url: str, keep: int) -> None:
-        """Best effort, in the background: unload the adapters older than `keep` (SGLang answers once the requests
-        that use one have ended)."""
+    async def _unload_idle(self, url: str, keep: int) -> None:
+        """Unload the adapters older than `keep` that no call of ours names any more; the others wait for a later
+        push. SGLang's unload holds its LoRA lock until the last request naming the adapter ends, and its next load
+        waits for that lock: an unload still waiting when the servers are paused (a request under the old adapter,
+        frozen in place or requeued) would hold the next push forever."""
         s = self.sm.state
         for v in sorted(x for x in self.loaded.get(url, set()) if x < keep):
+            if s.adapter_inflight.get((url, v)):
+                continue
             try:
-                await s.admin_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(v)},
-                                   timeout=max(s.cfg.admin_timeout_s, 600.0))
+                await s.admin_post(url, "/unload_lora_adapter", {"lora_name": adapter_name(v)})
                 self.loaded[url].discard(v)
             except RequestError as e:
                 s.say(f"server {url}: unloading adapter {adapter_name(v)} failed ({e}); it stays loaded")
+
+    def _start_unloads(self, targets: list[str], keep: int) -> None:
+        for u in targets:
+            task = asyncio.ensure_future(self._unload_idle(u, keep))
+            self.unloading[u] = task
+            self.sm.state.background.add(task)  # drained when the manager closes
+            task.add_done_callback(self.sm.state.background.discard)
+
+    async def _settle_unloads(self) -> None:
+        """Before a pause: the unloads started after the last push have ended (module doc)."""
+        pending = {u: t for u, t in self.unloading.items() if not t.done()}
+        self.unloading = {}
+        if not pending:
+            return
+        limit = self.sm.state.cfg.admin_timeout_s
+        _done, late = await asyncio.wait(pending.values(), timeout=limit)
+        if late:
+            urls = sorted(u for u, t in pending.items() if t in late)
+            raise TransportError(
+                f"unloading an old adapter on {', '.join(urls)} has not ended in {limit:.0f} s "
+                "(manager.admin_timeout_s): SGLang waits for every request that named it, and no call of this run "
+                "does. SGLang 0.5.17 never ends the count of a request aborted in its queue; agentloop patches the "
+                "servers it starts (agentloop.inference.sglang_fixes), a server given by server.urls needs a fixed "
+                "SGLang (0.5.23 is)")
 
     async def _paths(self, weights: WeightsOnDisk) -> dict[str, str]:
         staged = await self.stage(weights)
@@ -96,6 +129,7 @@ class LoraHalf(ServerHalf):
         t0 = time.monotonic()
         paths = await self._paths(weights)
         targets = await self.sm.reachable_targets()
+        await self._settle_unloads()
         await self.sm.pause(mode=self.policy.pause_mode)
         try:
             results = await asyncio.gather(*(self._load_one(u, paths[u], version) for u in targets),
@@ -109,8 +143,7 @@ class LoraHalf(ServerHalf):
             await self.sm.resume()
         self.current = weights
         self.sm.expect_version(version)
-        for u in targets:
-            self.sm.state.spawn(self._unload_older(u, version), name=f"unload-adapters-{u}")
+        self._start_unloads(targets, version)
         return time.monotonic() - t0
 
     async def resync(self, url: str) -> None:
@@ -148,11 +181,12 @@ class LoraHalf(ServerHalf):
     async def _pushed(self, step: int, timeout_s: float) -> tuple[UpdateResult, float]:
         """weight_sync tensor: pause, let the learner load adapter `step` into the reachable servers, resume."""
         t1 = time.monotonic()
+        await self._settle_unloads()
         upd, targets = await self.push_paused(step, timeout_s)
         self.current = None  # no directory holds this adapter: a stale server waits for the next push
         for u in targets:
             self.loaded.setdefault(u, set()).add(step)
-            self.sm.state.spawn(self._unload_older(u, step), name=f"unload-adapters-{u}")
+        self._start_unloads(targets, step)
         self.handed.add(step)
         return upd, time.monotonic() - t1
 

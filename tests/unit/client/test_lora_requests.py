@@ -38,11 +38,14 @@ def test_requests_name_their_adapter_and_tokens_carry_its_version(mode):
                 fake.started.clear()  # set by the base call
                 gen = asyncio.create_task(sm.generate("e-1", prompt_ids=[5, 6, 7], sampling_params=SP))
                 await fake.started.wait()
+                during = dict(sm.state.adapter_inflight)  # what lora_servers reads before unloading an adapter
                 await sm.pause(mode=mode)
                 # the server's label moves to 3 (its spans say so) while the request still runs on adapter 2
                 await sm.update_weights_from_disk("/w", weight_version=3, flush_cache=False)
                 await sm.resume()
-                return base, await gen, list(fake.requests)
+                out = await gen
+                assert during == {(fake.url, 2): 1} and not sm.state.adapter_inflight
+                return base, out, list(fake.requests)
         finally:
             await fake.stop()
 
@@ -107,3 +110,70 @@ def test_the_push_order_names_the_adapters_no_server_holds_any_more():
     assert half.order(3, ["http://a"]).released == () and half.handed == {2}
     half.loaded = {"http://a": set(), "http://b": set()}
     assert half.order(4, ["http://a"]).released == (2,)
+
+
+def _half_with_sglang_lock(inflight: dict, never_ends: set[str] = frozenset(), limit_s: float = 5.0):
+    """A LoraHalf whose admin calls follow SGLang's LoRA lock: an unload answers once no request names the adapter
+    (`inflight`, the client's count, stands for the server's), a name in `never_ends` never does."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from agentloop.train.weights.lora_servers import LoraHalf
+
+    calls: list[tuple[str, str]] = []
+    freed = asyncio.Event()
+
+    async def admin_post(url, path, body, **kw):
+        calls.append((path, body["lora_name"]))
+        if path == "/unload_lora_adapter":
+            if body["lora_name"] in never_ends:
+                await asyncio.Event().wait()
+            while state.adapter_inflight.get((url, int(body["lora_name"].rsplit("v", 1)[1]))):
+                await freed.wait()
+        return {"success": True}
+
+    state = SimpleNamespace(admin_post=admin_post, adapter_inflight=Counter(inflight), background=set(),
+                            cfg=SimpleNamespace(admin_timeout_s=limit_s), say=print)
+    half = LoraHalf.__new__(LoraHalf)
+    half.sm = SimpleNamespace(state=state)
+    half.loaded, half.unloading = {}, {}
+    return half, calls, freed
+
+
+def test_an_adapter_a_call_still_names_is_not_unloaded_until_a_later_push_finds_it_free():
+    """SGLang's unload holds its LoRA lock until the last request naming the adapter ends, and every load takes
+    that lock: an unload sent while a request under the old adapter runs, then frozen by the next pause (in_place,
+    retract), held the next push forever. Only adapters no call names are unloaded; the others wait."""
+    async def main():
+        half, calls, _freed = _half_with_sglang_lock({("http://s", 2): 1})
+        half.loaded = {"http://s": {1, 2, 3}}
+        half._start_unloads(["http://s"], 3)
+        await half._settle_unloads()
+        first = list(calls)
+        half.sm.state.adapter_inflight.clear()  # the request under adapter 2 ended
+        half.loaded["http://s"].add(4)
+        half._start_unloads(["http://s"], 4)
+        await half._settle_unloads()
+        return first, calls[len(first):], half.loaded
+
+    first, later, loaded = run(main())
+    assert first == [("/unload_lora_adapter", "agentloop-v1")]
+    assert later == [("/unload_lora_adapter", "agentloop-v2"), ("/unload_lora_adapter", "agentloop-v3")]
+    assert loaded == {"http://s": {4}}
+
+
+def test_an_unload_that_never_ends_fails_the_push_with_its_cause_not_a_hang():
+    """Before a pause, the unloads started after the last push have ended; one that has not within
+    manager.admin_timeout_s (an old SGLang's leaked count) fails the push naming the server and the cause."""
+    from agentloop.train.weights.servers import TransportError
+
+    async def main():
+        half, _calls, _freed = _half_with_sglang_lock({}, never_ends={"agentloop-v1"}, limit_s=0.2)
+        half.loaded = {"http://s": {1, 2}}
+        half._start_unloads(["http://s"], 2)
+        with pytest.raises(TransportError, match=r"http://s.*has not ended.*admin_timeout_s"):
+            await half._settle_unloads()
+        for t in list(half.sm.state.background):
+            t.cancel()
+
+    run(main())

@@ -1,0 +1,78 @@
+"""agentloop.inference.sglang_fixes: the LoRA count of a request aborted in SGLang's queue ends (SGLang 0.5.17's
+tokenizer manager left it, so the adapter's unload, holding the LoRA lock, waited forever). Driven against SGLang's
+own LoRARegistry with a handler that does what 0.5.17's does: finish the request's state, end no count."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from http import HTTPStatus
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from agentloop.inference.launcher import LocalServer
+from agentloop.inference.sglang_fixes import install, releasing_abort_handler
+
+
+def _old_handler(self, recv_obj):  # 0.5.17's _handle_abort_req, as far as the count goes
+    state = self.rid_to_state.get(recv_obj.rid)
+    if state is None:
+        return
+    del self.rid_to_state[recv_obj.rid]
+    state.finished = True
+
+
+async def _abort_queued_then_unload(handler, status: int | None = None) -> bool:
+    """A request under adapter "a" aborted while queued, then the adapter unloaded: did the unload's wait end?"""
+    from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry
+
+    registry = LoRARegistry()
+    ref = LoRARef(lora_name="a", lora_path="/a")
+    await registry.register(ref)
+    obj = SimpleNamespace(rid="r1", lora_path="a", lora_id=await registry.acquire("a"))
+    manager = SimpleNamespace(rid_to_state={"r1": SimpleNamespace(obj=obj)}, enable_lora=True,
+                              lora_registry=registry)
+    reason = {"type": "abort", "status_code": status} if status else None
+    handler(manager, SimpleNamespace(rid="r1", finished_reason=reason))
+    assert "r1" not in manager.rid_to_state
+    lora_id = await registry.unregister("a")
+    try:
+        await asyncio.wait_for(registry.wait_for_unload(lora_id), timeout=0.5)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def test_a_request_aborted_in_the_queue_no_longer_holds_its_adapter():
+    assert asyncio.run(_abort_queued_then_unload(_old_handler)) is False  # the bug, as 0.5.17 has it
+    assert asyncio.run(_abort_queued_then_unload(releasing_abort_handler(_old_handler))) is True
+
+
+def test_an_abort_whose_waiter_ends_the_count_is_not_counted_twice():
+    """0.5.17's waiter ends the count of a 503/500 abort itself: the fix leaves those alone (a count ended twice
+    would go below zero and let an unload pass a request still running)."""
+    fixed = releasing_abort_handler(_old_handler)
+    assert asyncio.run(_abort_queued_then_unload(fixed, HTTPStatus.SERVICE_UNAVAILABLE)) is False
+    assert asyncio.run(_abort_queued_then_unload(fixed, HTTPStatus.BAD_REQUEST)) is True
+
+
+def test_the_fix_stays_out_of_an_sglang_that_has_its_own():
+    with warnings.catch_warnings():  # its import warns about GPU-only quantizations on a CPU box
+        warnings.simplefilter("ignore")
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    if not hasattr(TokenizerManager, "_release_lora_once"):
+        pytest.skip("this SGLang lacks the upstream fix")
+    before = TokenizerManager._handle_abort_req
+    assert install() == [] and TokenizerManager._handle_abort_req is before
+
+
+def test_a_gpu_lora_server_starts_through_the_fixes():
+    lora = LocalServer("/m", device="cuda", port=30001, extra_args=["--enable-lora"])
+    assert lora.command()[1:3] == ["-m", "agentloop.inference.sglang_fixes"]
+    root = Path(__file__).resolve().parents[3]  # the checkout: agentloop importable in the server's process
+    assert lora.environment()["PYTHONPATH"].split(os.pathsep)[0] == str(root)
+    assert LocalServer("/m", device="cuda", port=30001).command()[1:3] == ["-m", "sglang.launch_server"]
