@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import warnings
+import subprocess
+import sys
 from http import HTTPStatus
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from agentloop.inference.launcher import LocalServer
-from agentloop.inference.sglang_fixes import install, releasing_abort_handler
+from agentloop.inference.sglang_fixes import releasing_abort_handler
 
 
 def _old_handler(self, recv_obj):  # 0.5.17's _handle_abort_req, as far as the count goes
@@ -60,14 +61,20 @@ def test_an_abort_whose_waiter_ends_the_count_is_not_counted_twice():
 
 
 def test_the_fix_stays_out_of_an_sglang_that_has_its_own():
-    with warnings.catch_warnings():  # its import warns about GPU-only quantizations on a CPU box
-        warnings.simplefilter("ignore")
-        from sglang.srt.managers.tokenizer_manager import TokenizerManager
-
-    if not hasattr(TokenizerManager, "_release_lora_once"):
+    """In a process of its own: importing SGLang's tokenizer manager sets uvloop as asyncio's policy and more, for
+    every later test of this process."""
+    code = ("import warnings; warnings.simplefilter('ignore')\n"
+            "from sglang.srt.managers.tokenizer_manager import TokenizerManager as T\n"
+            "from agentloop.inference.sglang_fixes import install\n"
+            "has = hasattr(T, '_release_lora_once'); before = T._handle_abort_req\n"
+            "print(has, install(), T._handle_abort_req is before)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr[-2000:]
+    has, rest = out.stdout.strip().split(" ", 1)
+    if has != "True":
         pytest.skip("this SGLang lacks the upstream fix")
-    before = TokenizerManager._handle_abort_req
-    assert install() == [] and TokenizerManager._handle_abort_req is before
+    assert rest == "[] True"
 
 
 def test_a_gpu_lora_server_starts_through_the_fixes():
