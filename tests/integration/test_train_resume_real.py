@@ -399,9 +399,7 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     # again on a loaded box (it did: exit 0, and with a 15 s cap on the hold, once more in a loaded suite). So the
     # rewards past step 1's four episodes wait while `hold` exists, which the test removes only once the SIGINT is
     # sent (a Ctrl-C waits for a reward already running; the 100 s cap is a hang guard below reward.timeout_s),
-    # and the run cannot get past step 2 before the SIGINT; the resumed run finds `hold` gone. The schedule is sync,
-    # so the first four rewards are step 1's: asynchronously step 2's episodes ran beside step 1's, one of them was
-    # scored fourth, step 1 waited out the cap and the run ended before its Ctrl-C (a fresh clone's suite, 2026-12-02).
+    # and the run cannot get past step 2 before the SIGINT; the resumed run finds `hold` gone.
     gate = tmp_path / "gate"
     gate.mkdir()
     (gate / "hold").touch()
@@ -421,7 +419,7 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     overrides = ["train.steps=3", "train.prompts_per_step=2", "rollout.n_samples=2", "train.val_every=0",
                  "sampling.max_new_tokens=6", "learner.checkpoint_every=1", "train.tensorboard=false",
                  "train.update_timeout_s=300", "train.learner_ready_timeout_s=300",
-                 f"reward.custom={reward}:compute_score", "reward.timeout_s=120", "train.schedule=sync"]
+                 f"reward.custom={reward}:compute_score", "reward.timeout_s=120"]
     cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
            "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
            *overrides]
