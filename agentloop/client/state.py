@@ -105,11 +105,12 @@ class ManagerState:
 
     # ------------------------------------------------------------------ housekeeping
 
-    def spawn(self, coro: Awaitable[Any], name: str) -> None:
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
         """A background task, kept until done and drained when the manager closes."""
         t = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self.background.add(t)
         t.add_done_callback(self.background.discard)
+        return t
 
     def say(self, line: str) -> None:
         if self.on_event is not None:

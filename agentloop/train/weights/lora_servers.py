@@ -97,10 +97,7 @@ class LoraHalf(ServerHalf):
 
     def _start_unloads(self, targets: list[str], keep: int) -> None:
         for u in targets:
-            task = asyncio.ensure_future(self._unload_idle(u, keep))
-            self.unloading[u] = task
-            self.sm.state.background.add(task)  # drained when the manager closes
-            task.add_done_callback(self.sm.state.background.discard)
+            self.unloading[u] = self.sm.state.spawn(self._unload_idle(u, keep), name=f"unload-adapters-{u}")
 
     async def _settle_unloads(self) -> None:
         """Before a pause: the unloads started after the last push have ended (module doc)."""

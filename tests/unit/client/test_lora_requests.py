@@ -118,6 +118,7 @@ def _half_with_sglang_lock(inflight: dict, never_ends: set[str] = frozenset(), l
     from collections import Counter
     from types import SimpleNamespace
 
+    from agentloop.client.state import ManagerState
     from agentloop.train.weights.lora_servers import LoraHalf
 
     calls: list[tuple[str, str]] = []
@@ -134,6 +135,7 @@ def _half_with_sglang_lock(inflight: dict, never_ends: set[str] = frozenset(), l
 
     state = SimpleNamespace(admin_post=admin_post, adapter_inflight=Counter(inflight), background=set(),
                             cfg=SimpleNamespace(admin_timeout_s=limit_s), say=print)
+    state.spawn = lambda coro, name: ManagerState.spawn(state, coro, name)
     half = LoraHalf.__new__(LoraHalf)
     half.sm = SimpleNamespace(state=state)
     half.loaded, half.unloading = {}, {}
