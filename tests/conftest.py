@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,38 @@ def require_sglang() -> None:
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sglang_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
+    """One zygote for the session's CPU SGLang servers (agentloop.inference.sglang_cpu.zygote): every server a test
+    starts, in this process or in the runs it starts (they inherit AGENTLOOP_SGLANG_ZYGOTE), is forked from a process
+    that imported SGLang once, instead of importing it again (~20 s of a server's start on the 2-core box). Servers
+    whose environment it cannot serve are spawned as without it; tests of the spawned path unset the variable.
+    Started only when the session runs tests that may start servers, and not over a zygote the caller named."""
+    from agentloop.inference.sglang_cpu import zygote
+
+    wants = any(item.get_closest_marker("sglang") or item.get_closest_marker("slow") or "integration" in item.nodeid
+                for item in request.session.items)
+    if SKIP_SGLANG or not wants or os.environ.get(zygote.ENV) is not None:
+        yield None
+        return
+    from agentloop.inference.launcher import LocalServer
+
+    base = tmp_path_factory.mktemp("zygote")
+    sock = base / "zygote.sock"
+    proc = zygote.start(sock, LocalServer(ensure_tiny_model(), device="cpu").environment(), base / "zygote.log")
+    os.environ[zygote.ENV] = str(sock)
+    try:
+        yield sock
+    finally:
+        os.environ.pop(zygote.ENV, None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass

@@ -15,6 +15,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    prepare("--enable-memory-saver" not in (sys.argv[1:] if argv is None else argv))
+    run(sys.argv[1:] if argv is None else argv)
+
+
+def prepare(fork_children: bool = True) -> None:
+    """Everything before SGLang's launcher runs: our ops and patches, and (unless the server's children need a fresh
+    process: the memory saver preloads a library) forked children. Idempotent; the zygote
+    (agentloop.inference.sglang_cpu.zygote) calls it once for all the servers it forks."""
     from agentloop.inference.sglang_cpu.no_pin import install as install_no_pin
     from agentloop.inference.sglang_cpu.ops import register
     from agentloop.inference.sglang_cpu.seeded_sampling import install
@@ -24,9 +32,13 @@ def main(argv: list[str] | None = None) -> None:
     install()
     install_no_pin()
     install_fixes()
-    sys.argv = ["sglang.launch_server", *(sys.argv[1:] if argv is None else argv)]
-    if "--enable-memory-saver" not in sys.argv:  # its children need a fresh process (a preloaded library)
+    if fork_children:
         _fork_children()
+
+
+def run(argv: list[str]) -> None:
+    """SGLang's own launcher, unchanged, on `argv` (sglang.launch_server's flags)."""
+    sys.argv = ["sglang.launch_server", *argv]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 
