@@ -396,10 +396,13 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     url = sglang_server.url
     run_dir = tmp_path / "run"
     # The Ctrl-C must land mid-run, not after it: a run of 3 steps this small can end before the test is scheduled
-    # again on a loaded box (it did: exit 0, and with a 15 s cap on the hold, once more in a loaded suite). So the
-    # rewards past step 1's four episodes wait while `hold` exists, which the test removes only once the SIGINT is
-    # sent (a Ctrl-C waits for a reward already running; the 100 s cap is a hang guard below reward.timeout_s),
-    # and the run cannot get past step 2 before the SIGINT; the resumed run finds `hold` gone.
+    # again on a loaded box (it did: exit 0, and with a 15 s cap on the hold, once more in a loaded suite). So every
+    # reward scored once checkpoint 1 exists waits while `hold` exists, which the test removes only once the SIGINT
+    # is sent (a Ctrl-C waits for a reward already running; the 100 s cap is a hang guard below reward.timeout_s).
+    # Step 1's rewards all come before its checkpoint, which the learner writes before it pushes step 1's weights;
+    # step 3's episodes (eta = 1) need those weights, so the run cannot end before the SIGINT. The gate names the
+    # checkpoint, not a count of calls: asynchronously a step-2 episode can be scored among the first four, and a
+    # count of four then held step 1 itself. The resumed run finds `hold` gone.
     gate = tmp_path / "gate"
     gate.mkdir()
     (gate / "hold").touch()
@@ -407,13 +410,9 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     reward.write_text(
         "import os, time\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    gate = os.environ['AGENTLOOP_TEST_GATE']\n"
-        "    with open(os.path.join(gate, 'calls'), 'a') as f:\n"
-        "        f.write('x\\n')\n"
-        "    with open(os.path.join(gate, 'calls')) as f:\n"
-        "        n = len(f.read().splitlines())\n"
+        "    gate, ckpt = os.environ['AGENTLOOP_TEST_GATE'], os.environ['AGENTLOOP_TEST_CHECKPOINT']\n"
         "    until = time.monotonic() + 100\n"
-        "    while n > 4 and os.path.exists(os.path.join(gate, 'hold')) and time.monotonic() < until:\n"
+        "    while os.path.exists(ckpt) and os.path.exists(os.path.join(gate, 'hold')) and time.monotonic() < until:\n"
         "        time.sleep(0.05)\n"
         "    return 0.0\n")
     overrides = ["train.steps=3", "train.prompts_per_step=2", "rollout.n_samples=2", "train.val_every=0",
@@ -423,7 +422,8 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(sglang_server, tiny_model_path
     cmd = [sys.executable, "-m", "agentloop.cli", "train", "--quiet", "--server-url", url,
            "--model", str(tiny_model_path), "--loop", "single_turn_agent_loop", "--run-dir", str(run_dir),
            *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTLOOP_TEST_GATE": str(gate)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTLOOP_TEST_GATE": str(gate),
+           "AGENTLOOP_TEST_CHECKPOINT": str(run_dir / "checkpoints" / "step-000001" / "meta.json")}
     log_path, log2_path = tmp_path / "run1.log", tmp_path / "run2.log"
     procs: list[subprocess.Popen] = []
     learner_pids: list[int] = []
