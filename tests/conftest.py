@@ -63,11 +63,9 @@ def sglang_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     if SKIP_SGLANG or not wants or os.environ.get(zygote.ENV) is not None:
         yield None
         return
-    from agentloop.inference.launcher import LocalServer
-
     base = tmp_path_factory.mktemp("zygote")
     sock = base / "zygote.sock"
-    proc = zygote.start(sock, LocalServer(ensure_tiny_model(), device="cpu").environment(), base / "zygote.log")
+    proc = zygote.start(sock, base / "zygote.log")
     os.environ[zygote.ENV] = str(sock)
     try:
         yield sock

@@ -85,6 +85,16 @@ def cpu_server_args(max_total_tokens: int | None) -> list[str]:
     return args
 
 
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""The directory holding the agentloop package: on a server's PYTHONPATH, agentloop is importable in its children."""
+
+
+def _put_first_on_pythonpath(env: dict[str, str], *dirs: str) -> None:
+    """`dirs` first on env's PYTHONPATH, each once (so an environment built from one built before is the same)."""
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in dirs]
+    env["PYTHONPATH"] = os.pathsep.join([*dirs, *rest])
+
+
 def _arm_parent_death_signal() -> None:
     """preexec_fn: SIGKILL this child when its parent dies (Linux only; best effort)."""
     try:
@@ -217,19 +227,14 @@ class LocalServer:
             # OpenMP threads that spin while idle starve every other process on a small CPU box
             # (a learner, a second server, the engine itself): decode fell from ~700 to ~15 tok/s.
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            package_root = str(Path(__file__).resolve().parents[2])  # agentloop importable in children
-            parts = [str(site_dir()), package_root]
-            if env.get("PYTHONPATH"):
-                parts.append(env["PYTHONPATH"])
-            env["PYTHONPATH"] = os.pathsep.join(parts)
+            _put_first_on_pythonpath(env, str(site_dir()), _PACKAGE_ROOT)
         else:
             # The weight-update NCCL group (learner + servers, agentloop.train.weights.sync) failed at its
             # first broadcast with "Cuda failure 'invalid argument'" on an H200 pair while NCCL used
             # cuMem handles across processes; the legacy IPC path works (0.07 s per 0.5B sync).
             env.setdefault("NCCL_CUMEM_ENABLE", "0")
             if "--enable-lora" in self.extra_args:  # agentloop.inference.sglang_fixes importable in the child
-                package_root = str(Path(__file__).resolve().parents[2])
-                env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+                _put_first_on_pythonpath(env, _PACKAGE_ROOT)
             if self.gpu_id is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
         return env

@@ -48,7 +48,7 @@ def _wait_until(cond, what: str, timeout: float = 120) -> None:
 def own_zygote(tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, subprocess.Popen]]:
     require_sglang()
     sock = tmp_path / "z" / "zygote.sock"
-    proc = zygote.start(sock, LocalServer(tiny_model_path, device="cpu").environment(), tmp_path / "zygote.log")
+    proc = zygote.start(sock, tmp_path / "zygote.log")
     monkeypatch.setenv(zygote.ENV, str(sock))
     try:
         yield sock, proc

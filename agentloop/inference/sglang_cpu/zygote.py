@@ -137,14 +137,22 @@ def _status_dir(sock_path: Path) -> Path:
     return sock_path.with_name(sock_path.name + ".exit")
 
 
-def start(sock_path: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start a zygote on `sock_path` whose servers run with `env` (a CPU server's: `LocalServer(...).environment()`);
-    it dies with this process. Requesters may ask at once: they wait for its imports (its pid file is written here)."""
+def server_environment() -> dict[str, str]:
+    """The environment this process's CPU servers start with (LocalServer's, from ours)."""
+    from agentloop.inference.launcher import LocalServer
+
+    return LocalServer("-", device="cpu").environment()
+
+
+def start(sock_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start a zygote on `sock_path` for the CPU servers this process (and those inheriting its environment) would
+    start; it dies with this process. Requesters may ask at once: they wait for its imports (its pid file is written
+    here)."""
     from agentloop.inference.launcher import _arm_parent_death_signal
 
     sock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, "--socket", str(sock_path)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", __name__, "--socket", str(sock_path)], env=server_environment(),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=_arm_parent_death_signal)
     pid_file(sock_path).write_text(str(proc.pid))
@@ -159,10 +167,14 @@ def _preload() -> None:
     from agentloop.inference.sglang_cpu import launch_server
 
     launch_server.prepare(fork_children=True)
-    import sglang.launch_server
+    # what sglang.launch_server imports (runpy runs that module itself, so it is not imported here), the HTTP server,
+    # the managers (the scheduler's and detokenizer's come with prepare), the model
+    import sglang.srt.arg_groups.overrides
     import sglang.srt.entrypoints.http_server
     import sglang.srt.managers.tokenizer_manager
-    import sglang.srt.models.qwen2  # noqa: F401
+    import sglang.srt.models.qwen2
+    import sglang.srt.plugins
+    import sglang.srt.server_args  # noqa: F401
     import transformers.models.qwen2  # noqa: F401
 
 
@@ -386,8 +398,12 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--socket", required=True, type=Path, help="the UNIX socket to listen on")
     args = parser.parse_args(argv)
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    serve(args.socket)
+    env = server_environment()
+    if _fixed(env) != _fixed(dict(os.environ)) and "_AGENTLOOP_ZYGOTE_EXEC" not in os.environ:
+        # run with what a CPU server's launch is given (or every request would be refused); once
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]],
+                  {**env, "_AGENTLOOP_ZYGOTE_EXEC": "1"})
+    serve(args.socket.resolve())
 
 
 if __name__ == "__main__":
