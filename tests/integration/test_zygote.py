@@ -67,6 +67,8 @@ def test_a_forked_server_serves_stops_cleanly_and_dies_with_its_requester(own_zy
         pids = server.group_pids()
         assert server.pid in pids and len(pids) >= 3  # its own session: main process, scheduler, detokenizer
         assert os.getsid(server.pid) == server.pid
+        # `ps` shows a server, not the zygote
+        assert b"agentloop.inference.sglang_cpu.launch_server" in Path(f"/proc/{server.pid}/cmdline").read_bytes()
     finally:
         server.stop()
     assert server.process.returncode == 0  # SGLang's own clean exit, reported through the zygote

@@ -240,6 +240,13 @@ class _Zygote:
             os.dup2(log, 2)
             os.close(null)
             os.close(log)
+            try:  # `ps` shows what a spawned server shows, not the zygote's command line (before environ changes)
+                import setproctitle
+
+                module = "agentloop.inference.sglang_cpu.launch_server"
+                setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *request["argv"]]))
+            except ImportError:
+                pass
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
