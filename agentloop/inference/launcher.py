@@ -39,7 +39,7 @@ from agentloop.config import ServerConfig
 from agentloop.errors import ServerStartError
 
 if TYPE_CHECKING:
-    from agentloop.inference.sglang_cpu.zygote import ForkedProcess
+    from agentloop.inference.sglang_cpu.forked import ForkedProcess
 
 __all__ = ["LocalServer", "cpu_server_args", "launch_servers", "pick_free_port", "resolve_device", "stop_servers"]
 
@@ -263,9 +263,9 @@ class LocalServer:
         """A CPU server forked by the zygote named in the environment, if there is one that can serve it."""
         if self.device != "cpu" or "--enable-memory-saver" in self.extra_args:
             return None
-        from agentloop.inference.sglang_cpu import zygote
+        from agentloop.inference.sglang_cpu import forked
 
-        return zygote.spawn(self.command()[3:], self.environment(), self.log_path)
+        return forked.spawn(self.command()[3:], self.environment(), self.log_path)
 
     def _spawned(self) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:

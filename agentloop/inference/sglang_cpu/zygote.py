@@ -9,11 +9,10 @@ not answer, or when the server's environment differs from the zygote's in a vari
 The test suite starts one for its session (tests/conftest.py); a user may start one for repeated CPU runs.
 
 Map:
+    start           start a zygote for the servers this process would start (the test session's fixture does)
     serve           the zygote: prepare, bind, then accept requests and fork; reaps its children, kills a server
                     whose requester died (what PR_SET_PDEATHSIG does for a spawned one), kills all at its own end
-    spawn           the client: asks for one server, returns a ForkedProcess (or None: spawn it yourself)
-    ForkedProcess   what LocalServer needs of a Popen (pid, poll, wait, returncode) for a process it did not fork:
-                    the exit status comes from a file the zygote writes when it reaps the server
+    forked.py       the client: `spawn` asks for one server, a `ForkedProcess` watches it (LocalServer uses them)
 
 A forked server is the leader of its own session (process group), so LocalServer's stop() and kill() reach SGLang's
 children as for a spawned one; it dies with the zygote (PR_SET_PDEATHSIG) and with the process that asked for it.
@@ -35,8 +34,9 @@ import time
 import traceback
 from pathlib import Path
 
-ENV = "AGENTLOOP_SGLANG_ZYGOTE"
-"""The environment variable naming a zygote's socket."""
+from agentloop.inference.sglang_cpu.forked import ENV, ForkedProcess, pid_file, spawn, status_dir
+
+__all__ = ["ENV", "ForkedProcess", "serve", "server_environment", "spawn", "start"]
 
 _FIXED = ("SGLANG_", "OMP_", "MKL_", "KMP_", "MALLOC_", "PYTHON", "LD_", "CUDA_", "NCCL_", "TORCH", "HF_",
           "TRANSFORMERS_", "TOKENIZERS_", "OPENBLAS_", "GLIBC_")
@@ -44,97 +44,9 @@ _FIXED = ("SGLANG_", "OMP_", "MKL_", "KMP_", "MALLOC_", "PYTHON", "LD_", "CUDA_"
 offline switch): a request whose values differ from the zygote's is not forked. OMP_NUM_THREADS is the exception: the
 forked server sets torch's thread count from it."""
 
-_REPLY_TIMEOUT_S = 600.0
-"""How long a requester waits for the zygote's answer: the first request waits out the zygote's imports (a guard
-against a hang, not a verdict on the machine's speed)."""
-
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_FIXED) and k != "OMP_NUM_THREADS"}
-
-
-# ---------------------------------------------------------------- the client
-
-
-class ForkedProcess:
-    """A server the zygote forked, seen through the subset of `subprocess.Popen` LocalServer uses."""
-
-    def __init__(self, pid: int, status_path: Path, zygote_pid: int):
-        self.pid = pid
-        self.returncode: int | None = None
-        self._status = status_path
-        self._zygote_pid = zygote_pid
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                self.returncode = int(self._status.read_text())
-            except (FileNotFoundError, ValueError):
-                if not _alive(self._zygote_pid) and not _alive(self.pid):
-                    self.returncode = -signal.SIGKILL  # the zygote died first and took the server with it
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"zygote-forked server {self.pid}", timeout)
-            time.sleep(0.05)
-        assert self.returncode is not None
-        return self.returncode
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
-
-
-def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
-    """Ask the zygote named by `AGENTLOOP_SGLANG_ZYGOTE` for a server running SGLang's launcher on `argv`, with `env`,
-    this process's working directory, and stdout and stderr appended to `log_path`. None when there is no zygote, it
-    is gone, or `env` differs from its environment where it matters (`_FIXED`): the caller then spawns the server."""
-    path = os.environ.get(ENV)
-    if not path or not _ready(Path(path)):
-        return None
-    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path), "owner": os.getpid()}
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(_REPLY_TIMEOUT_S)
-            s.connect(path)
-            s.sendall(json.dumps(request).encode() + b"\n")
-            reply = json.loads(s.makefile("rb").readline() or b"{}")
-    except (OSError, ValueError):
-        return None  # no zygote listening there (a stale socket file), or it died while answering
-    if "pid" not in reply:
-        return None  # it refused: reply["error"] says why (an environment it cannot serve)
-    return ForkedProcess(int(reply["pid"]), Path(reply["status"]), int(reply["zygote"]))
-
-
-def _ready(sock_path: Path) -> bool:
-    """The socket is there, or appears while its zygote (the pid file beside it) still imports."""
-    deadline = time.monotonic() + _REPLY_TIMEOUT_S
-    while not sock_path.exists():
-        try:
-            pid = int(pid_file(sock_path).read_text())
-        except (OSError, ValueError):
-            return False
-        if not _alive(pid) or time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def pid_file(sock_path: Path) -> Path:
-    """Where a zygote's pid is written, first thing (whoever starts one may write it sooner: requesters wait for the
-    socket while that process lives)."""
-    return sock_path.with_name(sock_path.name + ".pid")
-
-
-def _status_dir(sock_path: Path) -> Path:
-    return sock_path.with_name(sock_path.name + ".exit")
 
 
 def server_environment() -> dict[str, str]:
@@ -324,7 +236,7 @@ class _Zygote:
             pid = self.fork(request, listener, conn)
             self.children[pid] = request
             self.watch_owner(int(request["owner"]), pid)
-            status = _status_dir(self.sock_path) / str(pid)
+            status = status_dir(self.sock_path) / str(pid)
             status.unlink(missing_ok=True)
             try:
                 conn.sendall(json.dumps({"pid": pid, "zygote": os.getpid(), "status": str(status)}).encode() + b"\n")
@@ -363,7 +275,7 @@ class _Zygote:
                 continue
             _killpg(pid)  # what is left of its group (SGLang's children arm their own death signal too)
             code = os.waitstatus_to_exitcode(status)
-            path = _status_dir(self.sock_path) / str(pid)
+            path = status_dir(self.sock_path) / str(pid)
             tmp = path.with_name(f"{pid}.tmp")
             try:
                 tmp.write_text(str(code))
@@ -383,7 +295,7 @@ def serve(sock_path: Path) -> None:
     """Import, then listen on `sock_path` until SIGTERM; every server forked dies with the zygote."""
     sock_path.unlink(missing_ok=True)
     pid_file(sock_path).write_text(str(os.getpid()))  # requesters wait while this process imports
-    _status_dir(sock_path).mkdir(parents=True, exist_ok=True)
+    status_dir(sock_path).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     _preload()
     tmp = sock_path.with_name(sock_path.name + ".binding")
