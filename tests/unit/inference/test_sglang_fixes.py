@@ -5,8 +5,8 @@ own LoRARegistry with a handler that does what 0.5.17's does: finish the request
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
-import subprocess
 import sys
 from http import HTTPStatus
 from pathlib import Path
@@ -60,21 +60,31 @@ def test_an_abort_whose_waiter_ends_the_count_is_not_counted_twice():
     assert asyncio.run(_abort_queued_then_unload(fixed, HTTPStatus.BAD_REQUEST)) is True
 
 
-def test_the_fix_stays_out_of_an_sglang_that_has_its_own():
-    """In a process of its own: importing SGLang's tokenizer manager sets uvloop as asyncio's policy and more, for
-    every later test of this process."""
-    code = ("import warnings; warnings.simplefilter('ignore')\n"
-            "from sglang.srt.managers.tokenizer_manager import TokenizerManager as T\n"
-            "from agentloop.inference.sglang_fixes import install\n"
-            "has = hasattr(T, '_release_lora_once'); before = T._handle_abort_req\n"
-            "print(has, install(), T._handle_abort_req is before)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[3])
-    assert out.returncode == 0, out.stderr[-2000:]
-    has, rest = out.stdout.strip().split(" ", 1)
-    if has != "True":
+def test_the_fix_stays_out_of_an_sglang_that_has_its_own(monkeypatch):
+    """install() leaves a tokenizer manager that has `_release_lora_once` as it is, patches one without it once; the
+    installed SGLang's own source is read for the method, not imported (importing the tokenizer manager takes ~20 s
+    and sets uvloop as asyncio's policy for every later test of this process). Every CPU server agentloop starts
+    runs install() on the real module (launch_server.prepare)."""
+    from agentloop.inference import sglang_fixes
+
+    class WithFix:
+        def _release_lora_once(self): ...
+
+        def _handle_abort_req(self, recv_obj): ...
+
+    class WithoutFix:
+        def _handle_abort_req(self, recv_obj): ...
+
+    module = "sglang.srt.managers.tokenizer_manager"
+    spec = importlib.util.find_spec("sglang")  # found, not imported (its package imports thousands of modules)
+    source = None if spec is None else Path(spec.submodule_search_locations[0]) / "srt" / "managers" / "tokenizer_manager.py"
+    for cls, applied in ((WithFix, []), (WithoutFix, ["lora_abort_release"]), (WithoutFix, [])):
+        before = cls._handle_abort_req
+        monkeypatch.setitem(sys.modules, module, SimpleNamespace(TokenizerManager=cls))
+        assert sglang_fixes.install() == applied
+        assert (cls._handle_abort_req is before) == (not applied)
+    if source is None or "def _release_lora_once" not in source.read_text():
         pytest.skip("this SGLang lacks the upstream fix")
-    assert rest == "[] True"
 
 
 def test_a_gpu_lora_server_starts_through_the_fixes():
