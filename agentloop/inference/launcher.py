@@ -252,17 +252,21 @@ class LocalServer:
         with open(self.log_path, "ab") as log:
             log.write(f"# agentloop: {' '.join(self.command())}\n".encode())
             log.flush()
-            self.process = self._forked()
-        if self.process is None:
-            self.process = self._spawned()
+            forked = self._forked()
+            if isinstance(forked, str) and forked:  # a zygote is named: say why it did not fork this one
+                log.write(f"# agentloop: spawned, not forked: {forked}\n".encode())
+                log.flush()
+        self.process = forked if not isinstance(forked, str) else self._spawned()
         self.started_at = time.monotonic()
         _LIVE.add(self)
         return self
 
-    def _forked(self) -> ForkedProcess | None:
-        """A CPU server forked by the zygote named in the environment, if there is one that can serve it."""
-        if self.device != "cpu" or "--enable-memory-saver" in self.extra_args:
-            return None
+    def _forked(self) -> ForkedProcess | str:
+        """A CPU server forked by the zygote named in the environment, or why not ('' when none is named)."""
+        if self.device != "cpu":
+            return ""
+        if "--enable-memory-saver" in self.extra_args:
+            return "the memory saver's children need a fresh process"
         from agentloop.inference.sglang_cpu import forked
 
         return forked.spawn(self.command()[3:], self.environment(), self.log_path)

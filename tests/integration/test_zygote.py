@@ -57,8 +57,10 @@ def own_zygote(tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.Monkey
         proc.wait()
 
 
-def test_a_forked_server_serves_stops_cleanly_and_dies_with_its_requester(own_zygote, tiny_model_path, tmp_path):
+def test_a_forked_server_serves_stops_cleanly_and_dies_with_its_requester(own_zygote, tiny_model_path, tmp_path,
+                                                                          monkeypatch):
     sock, zproc = own_zygote
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(32 << 20))  # a LoRA server's: applied in the forked server
     server = LocalServer(tiny_model_path, log_path=tmp_path / "s.log", startup_timeout_s=SERVER_START_GUARD_S).start()
     try:
         assert isinstance(server.process, zygote.ForkedProcess)
@@ -124,17 +126,21 @@ def test_a_failed_start_reports_its_exit_code_and_a_dead_zygote_takes_its_server
 
 
 def test_a_server_whose_environment_differs_is_spawned(own_zygote, tiny_model_path, tmp_path, monkeypatch):
-    """A variable read at import (here the allocator's) that differs from the zygote's: the zygote refuses, the
+    """A variable read at start (here OpenMP's wait policy) that differs from the zygote's: the zygote refuses, the
     launcher spawns the server itself, which then serves as usual."""
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     server = LocalServer(tiny_model_path, log_path=tmp_path / "s.log", startup_timeout_s=SERVER_START_GUARD_S).start()
     try:
         assert isinstance(server.process, subprocess.Popen)
         asyncio.run(server.wait_ready())
-        assert "forked by the zygote" not in server.log_path.read_text()
+        log = server.log_path.read_text()
+        assert "forked by the zygote" not in log
+        assert "# agentloop: spawned, not forked: the zygote at" in log and "'OMP_WAIT_POLICY': ('ACTIVE', 'PASSIVE')" in log
     finally:
         server.stop()
     # the variables that may differ, and the one exception (the thread count, set in the forked server)
     base = {"PATH": "/bin", "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2"}
     assert zygote._fixed({**base, "PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}) == zygote._fixed(base)
     assert zygote._fixed({**base, "SGLANG_X": "1"}) != zygote._fixed(base)
+    # read when used, not at start (Ray's workers set it); the allocator's, applied by the forked server itself
+    assert zygote._fixed({**base, "PYTHONBREAKPOINT": "x", "MALLOC_ARENA_MAX": "2"}) == zygote._fixed(base)

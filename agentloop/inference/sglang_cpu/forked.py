@@ -3,7 +3,7 @@ that server through what LocalServer needs of a Popen. Standard library only: th
 imports the launcher.
 
 Map:
-    spawn           ask the zygote AGENTLOOP_SGLANG_ZYGOTE names for one server: a ForkedProcess, or None (spawn it)
+    spawn           ask the zygote AGENTLOOP_SGLANG_ZYGOTE names for one server: a ForkedProcess, or why not
     ForkedProcess   pid, poll, wait, returncode of a process this one did not fork: the exit status comes from a file
                     the zygote writes when it reaps the server
     pid_file, status_dir   the files beside a zygote's socket
@@ -63,13 +63,16 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].split()[0] != "Z"
 
 
-def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
+def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | str:
     """Ask the zygote named by `AGENTLOOP_SGLANG_ZYGOTE` for a server running SGLang's launcher on `argv`, with `env`,
-    this process's working directory, and stdout and stderr appended to `log_path`. None when there is no zygote, it
-    is gone, or `env` differs from its environment where it matters (`_FIXED`): the caller then spawns the server."""
+    this process's working directory, and stdout and stderr appended to `log_path`. Otherwise why not ('' when no
+    zygote is named): it is gone, or `env` differs from its environment where it matters; the caller then spawns the
+    server."""
     path = os.environ.get(ENV)
-    if not path or not _ready(Path(path)):
-        return None
+    if not path:
+        return ""
+    if not _ready(Path(path)):
+        return f"no zygote at {path}"
     request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path), "owner": os.getpid()}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -77,10 +80,10 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess
             s.connect(path)
             s.sendall(json.dumps(request).encode() + b"\n")
             reply = json.loads(s.makefile("rb").readline() or b"{}")
-    except (OSError, ValueError):
-        return None  # no zygote listening there (a stale socket file), or it died while answering
+    except (OSError, ValueError) as e:  # a stale socket file, or it died while answering
+        return f"the zygote at {path} did not answer: {type(e).__name__}: {e}"
     if "pid" not in reply:
-        return None  # it refused: reply["error"] says why (an environment it cannot serve)
+        return f"the zygote at {path} refused: {reply.get('error', reply)}"
     return ForkedProcess(int(reply["pid"]), Path(reply["status"]), int(reply["zygote"]))
 
 

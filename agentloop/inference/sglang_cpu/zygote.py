@@ -38,15 +38,28 @@ from agentloop.inference.sglang_cpu.forked import ENV, ForkedProcess, pid_file, 
 
 __all__ = ["ENV", "ForkedProcess", "serve", "server_environment", "spawn", "start"]
 
-_FIXED = ("SGLANG_", "OMP_", "MKL_", "KMP_", "MALLOC_", "PYTHON", "LD_", "CUDA_", "NCCL_", "TORCH", "HF_",
-          "TRANSFORMERS_", "TOKENIZERS_", "OPENBLAS_", "GLIBC_")
+_FIXED = ("SGLANG_", "OMP_", "MKL_", "KMP_", "MALLOC_", "LD_", "CUDA_", "NCCL_", "TORCH", "HF_", "TRANSFORMERS_",
+          "TOKENIZERS_", "OPENBLAS_", "GLIBC_", "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONUNBUFFERED",
+          "PYTHONWARNINGS", "PYTHONMALLOC", "PYTHONOPTIMIZE", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH",
+          "PYTHONNOUSERSITE", "PYTHONDEVMODE", "PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC")
 """Prefixes of the variables a process reads at start or at import (the allocator, OpenMP, SGLang's flags, the hub's
-offline switch): a request whose values differ from the zygote's is not forked. OMP_NUM_THREADS is the exception: the
-forked server sets torch's thread count from it."""
+offline switch, the interpreter's start-up settings; not PYTHONBREAKPOINT, which Ray's workers set and Python reads at
+each breakpoint()): a request whose values differ from the zygote's is not forked. OMP_NUM_THREADS is the exception: the
+forked server sets torch's thread count from it; the allocator's settings are the others (`_MALLOPT`)."""
+
+
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_MMAP_MAX_": -4,
+            "MALLOC_ARENA_TEST": -7, "MALLOC_ARENA_MAX": -8}
+"""glibc's allocator settings a forked server applies itself (mallopt; glibc reads them from the environment only at
+a process's start): a server's may differ from the zygote's when the zygote has none (LoRA servers set two)."""
 
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_FIXED) and k != "OMP_NUM_THREADS"}
+    return {k: v for k, v in env.items() if k.startswith(_FIXED) and k != "OMP_NUM_THREADS" and k not in _MALLOPT}
+
+
+def _mallopt(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k in _MALLOPT}
 
 
 def server_environment() -> dict[str, str]:
@@ -120,8 +133,14 @@ class _Zygote:
     def refuse(self, request: dict) -> str | None:
         want, have = _fixed(request.get("env", {})), _fixed(self.env)
         if want != have:
-            diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-            return f"environment differs from the zygote's in {diff}"
+            diff = {k: (want.get(k), have.get(k)) for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)}
+            return f"environment differs from the zygote's (the server's value, the zygote's): {diff}"[:2000]
+        if _mallopt(self.env) and _mallopt(request.get("env", {})) != _mallopt(self.env):
+            return f"allocator settings differ from the zygote's own {_mallopt(self.env)}"
+        try:
+            [int(v) for v in _mallopt(request.get("env", {})).values()]
+        except ValueError:
+            return f"allocator settings that are not numbers: {_mallopt(request.get('env', {}))}"
         return None
 
     def fork(self, request: dict, listener: socket.socket, conn: socket.socket) -> int:
@@ -167,6 +186,10 @@ class _Zygote:
             import tempfile
 
             tempfile.tempdir = None  # TMPDIR is the requester's
+            if _mallopt(os.environ) and not _mallopt(self.env):
+                libc = ctypes.CDLL("libc.so.6", use_errno=True)
+                for k, v in _mallopt(os.environ).items():
+                    libc.mallopt(_MALLOPT[k], int(v))
             if "OMP_NUM_THREADS" in os.environ:
                 import torch
 
@@ -231,6 +254,7 @@ class _Zygote:
                 why = (f"the zygote runs {_threads()} threads, {self.threads} after its imports: a thread started "
                        "since could hold a lock the forked server would inherit held")
             if why is not None:
+                print(f"agentloop zygote: refused a server for {request.get('owner')}: {why}", flush=True)
                 conn.sendall(json.dumps({"error": why}).encode() + b"\n")
                 return
             pid = self.fork(request, listener, conn)
