@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalServer", "cpu_server_args", "launch_servers", "pick_free_port", "resolve_device", "stop_servers"]
 
 _PR_SET_PDEATHSIG = 1
-
 _TAIL_LINES = 30
 
 

@@ -121,8 +121,8 @@ class _Zygote:
         """Native threads the imports started (torch's, SGLang's; the same ones a spawned server's launcher has when
         it forks SGLang's children; some end at the first fork): more later would mean something runs beside the
         loop."""
-        self.children: dict[int, dict] = {}
-        """pid -> its request, for the reaper and the owner watch."""
+        self.children: set[int] = set()
+        """The servers forked and not reaped yet."""
         self.owners: dict[int, tuple[int, set[int]]] = {}
         """owner pid -> (its pidfd, the servers it asked for)."""
         self.sel = selectors.DefaultSelector()
@@ -131,16 +131,18 @@ class _Zygote:
         os.set_blocking(self.wake_r, False)
 
     def refuse(self, request: dict) -> str | None:
-        want, have = _fixed(request.get("env", {})), _fixed(self.env)
+        env = request.get("env", {})
+        want, have = _fixed(env), _fixed(self.env)
         if want != have:
             diff = {k: (want.get(k), have.get(k)) for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)}
             return f"environment differs from the zygote's (the server's value, the zygote's): {diff}"[:2000]
-        if _mallopt(self.env) and _mallopt(request.get("env", {})) != _mallopt(self.env):
+        alloc = _mallopt(env)
+        if _mallopt(self.env) and alloc != _mallopt(self.env):
             return f"allocator settings differ from the zygote's own {_mallopt(self.env)}"
         try:
-            [int(v) for v in _mallopt(request.get("env", {})).values()]
+            [int(v) for v in alloc.values()]
         except ValueError:
-            return f"allocator settings that are not numbers: {_mallopt(request.get('env', {}))}"
+            return f"allocator settings that are not numbers: {alloc}"
         return None
 
     def fork(self, request: dict, listener: socket.socket, conn: socket.socket) -> int:
@@ -258,7 +260,7 @@ class _Zygote:
                 conn.sendall(json.dumps({"error": why}).encode() + b"\n")
                 return
             pid = self.fork(request, listener, conn)
-            self.children[pid] = request
+            self.children.add(pid)
             self.watch_owner(int(request["owner"]), pid)
             status = status_dir(self.sock_path) / str(pid)
             status.unlink(missing_ok=True)
@@ -294,9 +296,9 @@ class _Zygote:
                 return
             if pid == 0:
                 return
-            request = self.children.pop(pid, None)
-            if request is None:
+            if pid not in self.children:
                 continue
+            self.children.remove(pid)
             _killpg(pid)  # what is left of its group (SGLang's children arm their own death signal too)
             code = os.waitstatus_to_exitcode(status)
             path = status_dir(self.sock_path) / str(pid)
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     env = server_environment()
     if _fixed(env) != _fixed(dict(os.environ)) and "_AGENTLOOP_ZYGOTE_EXEC" not in os.environ:
         # run with what a CPU server's launch is given (or every request would be refused); once
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]],
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *(sys.argv[1:] if argv is None else argv)],
                   {**env, "_AGENTLOOP_ZYGOTE_EXEC": "1"})
     serve(args.socket.resolve())
 
