@@ -144,8 +144,12 @@ def test_a_burst_of_connections_never_overflows_a_busy_servers_accept_queue():
 
 
 def test_without_pacing_the_same_burst_overflows_the_queue():
-    """The scenario is real: the same burst opened all at once overflows the queue (the kernel drops SYNs), and
-    the connects whose SYN was dropped wait for its retransmission (1 s): what `connect_max_s` shows."""
+    """The scenario is real: the same burst opened all at once overflows the queue (the kernel's ListenOverflows
+    counter moves). Which packet the kernel drops is its choice: a dropped SYN makes that connect wait for its
+    retransmission (1 s, what `connect_max_s` shows); a dropped handshake ACK lets the connect return at once while
+    the server side waits for SYN-ACK retransmissions that back off (1, 2, 4 ... s). So the verdict is the counter,
+    and the test stops once it moved (plus up to 3 s for a connect to show its wait) rather than waiting out the
+    backoff: that wait once took 108 s on a loaded box."""
     if listen_overflows() is None:
         pytest.skip("/proc/net/netstat has no TcpExt ListenOverflows counter here")
     pool = Http1Pool(max_connecting=None, connect_attempt_s=30.0)
@@ -154,9 +158,14 @@ def test_without_pacing_the_same_burst_overflows_the_queue():
         before = listen_overflows()
         tasks = [asyncio.ensure_future(pool.post(url, "/generate", b"{}", timeout=120, connect_timeout=120))
                  for _ in range(300)]
+        loop = asyncio.get_running_loop()
+        seen_at = None
         try:
-            # until the queue overflowed and a connect whose SYN was dropped went through (or every request ended)
-            while (listen_overflows() == before or pool.connect_max_s < 0.9) and not all(t.done() for t in tasks):
+            while not all(t.done() for t in tasks):
+                if seen_at is None and listen_overflows() != before:
+                    seen_at = loop.time()
+                if seen_at is not None and (pool.connect_max_s >= 0.9 or loop.time() - seen_at > 3.0):
+                    break
                 await asyncio.sleep(0.01)
             return listen_overflows() - before
         finally:
@@ -167,7 +176,7 @@ def test_without_pacing_the_same_burst_overflows_the_queue():
 
     with BusyServer(backlog=16, accept_every_s=0.002) as srv:
         assert asyncio.run(main(srv.url)) > 0
-    assert pool.stats()["connect_max_s"] >= 0.9 and pool.connect_retries == 0
+    assert pool.connect_retries == 0  # a slow connect is waited for, not retried on a fresh socket
 
 
 def test_connections_per_server_are_bounded_and_handed_over_in_line():
