@@ -74,6 +74,31 @@ def sglang_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         proc.wait(timeout=30)  # a hang guard: a zygote that outlives its SIGTERM is a bug, shown at teardown
 
 
+@pytest.fixture(scope="session", autouse=True)
+def learner_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
+    """One zygote for the session's one-rank learners (agentloop.train.trainer.zygote): every `agentloop train` a test
+    runs (in this process or in a command it starts: they inherit AGENTLOOP_LEARNER_ZYGOTE) forks its learner from a
+    process that imported torch, transformers and the learner once, instead of importing them again (~8 s of CPU per
+    run on the 2-core box). Learners it cannot serve (torchrun's ranks, another environment) are spawned as without
+    it. Started only when the session runs tests that may train, and not over a zygote the caller named."""
+    from agentloop.train.trainer import zygote
+
+    wants = any(item.get_closest_marker("slow") or "integration" in item.nodeid for item in request.session.items)
+    if not wants or os.environ.get(zygote.ZYGOTE_ENV) is not None:
+        yield None
+        return
+    base = tmp_path_factory.mktemp("learner-zygote")
+    sock = base / "zygote.sock"
+    proc = zygote.start(sock, base / "zygote.log")
+    os.environ[zygote.ZYGOTE_ENV] = str(sock)
+    try:
+        yield sock
+    finally:
+        os.environ.pop(zygote.ZYGOTE_ENV, None)
+        proc.terminate()  # it kills the learners it forked, then exits
+        proc.wait(timeout=30)  # a hang guard: a zygote that outlives its SIGTERM is a bug, shown at teardown
+
+
 @dataclass
 class SGLangServerHandle:
     url: str

@@ -39,12 +39,15 @@ from agentloop.config import ServerConfig
 from agentloop.errors import ServerStartError
 
 if TYPE_CHECKING:
-    from agentloop.inference.sglang_cpu.forked import ForkedProcess
+    from agentloop.util.forked import ForkedProcess
 
 __all__ = ["LocalServer", "cpu_server_args", "launch_servers", "pick_free_port", "resolve_device", "stop_servers"]
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 30
+
+ZYGOTE_ENV = "AGENTLOOP_SGLANG_ZYGOTE"
+"""The environment variable naming the socket of a zygote for CPU servers (agentloop.inference.sglang_cpu.zygote)."""
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -266,9 +269,9 @@ class LocalServer:
             return ""
         if "--enable-memory-saver" in self.extra_args:
             return "the memory saver's children need a fresh process"
-        from agentloop.inference.sglang_cpu import forked
+        from agentloop.util import forked
 
-        return forked.spawn(self.command()[3:], self.environment(), self.log_path)
+        return forked.spawn(ZYGOTE_ENV, self.command()[3:], self.environment(), self.log_path)
 
     def _spawned(self) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:

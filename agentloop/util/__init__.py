@@ -6,6 +6,9 @@ atomic file writes, the class-registry admission rule, and the command's one eve
     fsio.py        atomic_write_text / atomic_write_bytes / atomic_write_json
     registries.py  admit_class: the rule every class registry applies
     runtime.py     run_async: uvloop when installed
+    zygote.py      a fork server: imports a program once, forks one process per request (CPU SGLang servers and
+                   one-rank learners are its programs)
+    forked.py      its client: ask the zygote an environment variable names for a process, watch it (poll, wait)
 
 May import: the vocabulary only.
 """

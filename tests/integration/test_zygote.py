@@ -20,6 +20,7 @@ import pytest
 from agentloop.errors import ServerStartError
 from agentloop.inference.launcher import LocalServer
 from agentloop.inference.sglang_cpu import zygote
+from agentloop.util.zygote import _fixed
 from tests.conftest import SERVER_START_GUARD_S, require_sglang
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
@@ -140,7 +141,7 @@ def test_a_server_whose_environment_differs_is_spawned(own_zygote, tiny_model_pa
         server.stop()
     # the variables that may differ, and the one exception (the thread count, set in the forked server)
     base = {"PATH": "/bin", "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2"}
-    assert zygote._fixed({**base, "PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}) == zygote._fixed(base)
-    assert zygote._fixed({**base, "SGLANG_X": "1"}) != zygote._fixed(base)
+    assert _fixed({**base, "PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}) == _fixed(base)
+    assert _fixed({**base, "SGLANG_X": "1"}) != _fixed(base)
     # read when used, not at start (Ray's workers set it); the allocator's, applied by the forked server itself
-    assert zygote._fixed({**base, "PYTHONBREAKPOINT": "x", "MALLOC_ARENA_MAX": "2"}) == zygote._fixed(base)
+    assert _fixed({**base, "PYTHONBREAKPOINT": "x", "MALLOC_ARENA_MAX": "2"}) == _fixed(base)

@@ -12,8 +12,8 @@ Map:
     no_pin.py           pinned host memory is a no-op without CUDA (SGLang's LoRA layers pin index tensors)
     site/common_ops.py  the module sgl_kernel falls back to; importing it calls both
     launch_server.py    `python -m agentloop.inference.sglang_cpu.launch_server <sglang args>`
-    zygote.py           a fork server: imports SGLang once, forks each CPU server LocalServer asks it for
-    forked.py           the zygote's client (LocalServer's side): ask for a server, watch it
+    zygote.py           the zygote for CPU servers (agentloop.util.zygote): imports SGLang once, forks each CPU
+                        server LocalServer asks it for (through agentloop.util.forked)
 
 Every SGLang server process (main, scheduler, detokenizer) imports `sgl_kernel` itself, so
 putting `site_dir()` on PYTHONPATH is enough; `launcher.LocalServer` does that for CPU

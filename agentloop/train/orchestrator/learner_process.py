@@ -27,8 +27,11 @@ from typing import Any
 
 from agentloop.config import Config
 from agentloop.errors import ConfigError
+from agentloop.train.handle.launch import ZYGOTE_ENV, learner_environment
 from agentloop.train.handle.mailbox import MailboxClient, MailboxPaths
 from agentloop.train.handle.protocol import FinalResult, LearnerHandle, LearnerInfo, LearnerTimeout, WeightsOnDisk
+from agentloop.util.forked import ForkedProcess
+from agentloop.util.forked import spawn as forked_spawn
 from agentloop.util.rundir import write_json
 
 
@@ -67,29 +70,38 @@ class LearnerProcess:
             raise ConfigError(f"learner.gpus={self.gpus} has fewer GPUs than the {cfg.learner.ranks_per_node} ranks "
                               f"of this host (learner.ranks={cfg.learner.world_size}, "
                               f"learner.nnodes={cfg.learner.nnodes})")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        """The learner: spawned, or forked by a zygote (agentloop.train.handle.launch)."""
 
-    def start(self) -> subprocess.Popen:
+    def start(self) -> subprocess.Popen | ForkedProcess:
         if self.node_args["nnodes"] > 1:
             # what `agentloop learner-node --run-dir RUN_DIR` starts on each other node
             write_json(Path(self.node_args["run_dir"]) / NODE_FILE, self.node_args)
-        env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # don't spin on cores the servers need
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.weight_sync == "nccl":
-            env.setdefault("NCCL_CUMEM_ENABLE", "0")  # see launcher.LocalServer.environment
-        if self.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        env = learner_environment(os.environ, weight_sync=self.weight_sync, gpus=self.gpus)
         log = self.log_path.open("ab")
         # Our own first line: a learner that dies before it logs anything still leaves its command here.
         log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} agentloop train: starting the learner: "
                   f"{shlex.join(self.cmd)}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        forked = self._forked(env)
+        if isinstance(forked, str) and forked:  # a zygote is named: say why it did not fork this one
+            log.write(f"# agentloop: spawned, not forked: {forked}\n".encode())
+            log.flush()
+        if not isinstance(forked, str):
+            self.proc = forked
+        else:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.close()
         return self.proc
+
+    def _forked(self, env: dict[str, str]) -> ForkedProcess | str:
+        """A one-rank learner forked by the zygote named in the environment (agentloop.train.handle.launch), or why
+        not ('' when none is named, or for torchrun's ranks, which are always spawned)."""
+        if self.cmd[1:3] != ["-m", "agentloop.train.trainer"]:
+            return ""
+        return forked_spawn(ZYGOTE_ENV, self.cmd[3:], env, self.log_path, python=self.cmd[0])
 
     def log_tail(self, n: int = 30) -> str:
         try:

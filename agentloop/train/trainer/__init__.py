@@ -18,6 +18,7 @@ Map:
     rollout_correction  verl's rollout correction: sequence-level importance weights, rejection sampling
     verl_order      verl's order of a step (KL in the reward, rejection) between the no-grad passes and the update
     checkpoint      resumable sharded checkpoints (atomic: temp dir + rename), synchronous or in the background
+    zygote          a fork server for one-rank learners: torch, transformers and the learner imported once
 
 Who calls whom: main -> serve -> Learner -> collate / attention / logprobs / losses / verl_order / checkpoint;
 serve -> the inbox (agentloop.train.handle) and the learner half of the weight transport.

@@ -1,11 +1,11 @@
-"""The client side of the server zygote (agentloop.inference.sglang_cpu.zygote): ask it for a CPU server, and watch
-that server through what LocalServer needs of a Popen. Standard library only: the launcher imports it, the zygote
-imports the launcher.
+"""The client side of a zygote (agentloop.util.zygote): ask the one an environment variable names for a process, and
+watch it through what a caller needs of a Popen. Standard library only: the launcher and the learner's process
+manager import it, before anything heavy.
 
 Map:
-    spawn           ask the zygote AGENTLOOP_SGLANG_ZYGOTE names for one server: a ForkedProcess, or why not
+    spawn           ask the zygote named by an environment variable for one process: a ForkedProcess, or why not
     ForkedProcess   pid, poll, wait, returncode of a process this one did not fork: the exit status comes from a file
-                    the zygote writes when it reaps the server
+                    the zygote writes when it reaps the process
     pid_file, status_dir   the files beside a zygote's socket
 """
 
@@ -16,11 +16,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
-
-ENV = "AGENTLOOP_SGLANG_ZYGOTE"
-"""The environment variable naming a zygote's socket."""
 
 _REPLY_TIMEOUT_S = 600.0
 """How long a requester waits for the zygote's answer: the first request waits out the zygote's imports (a guard
@@ -28,7 +26,7 @@ against a hang, not a verdict on the machine's speed)."""
 
 
 class ForkedProcess:
-    """A server the zygote forked, seen through the subset of `subprocess.Popen` LocalServer uses."""
+    """A process a zygote forked, seen through the subset of `subprocess.Popen` its callers use."""
 
     def __init__(self, pid: int, status_path: Path, zygote_pid: int):
         self.pid = pid
@@ -42,14 +40,14 @@ class ForkedProcess:
                 self.returncode = int(self._status.read_text())
             except (FileNotFoundError, ValueError):
                 if not _alive(self._zygote_pid) and not _alive(self.pid):
-                    self.returncode = -signal.SIGKILL  # the zygote died first and took the server with it
+                    self.returncode = -signal.SIGKILL  # the zygote died first and took the process with it
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"zygote-forked server {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"zygote-forked process {self.pid}", timeout)
             time.sleep(0.05)
         assert self.returncode is not None
         return self.returncode
@@ -63,17 +61,20 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].split()[0] != "Z"
 
 
-def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | str:
-    """Ask the zygote named by `AGENTLOOP_SGLANG_ZYGOTE` for a server running SGLang's launcher on `argv`, with `env`,
-    this process's working directory, and stdout and stderr appended to `log_path`. Otherwise why not ('' when no
-    zygote is named): it is gone, or `env` differs from its environment where it matters; the caller then spawns the
-    server."""
-    path = os.environ.get(ENV)
+def spawn(env_var: str, argv: list[str], env: dict[str, str], log_path: Path,
+          python: str | None = None) -> ForkedProcess | str:
+    """Ask the zygote whose socket the environment variable `env_var` names for a process running its program on
+    `argv`, with `env`, this process's working directory, and stdout and stderr appended to `log_path`, in place of
+    `python -m MODULE ARGV` run by `python` (default: ours; the zygote refuses another interpreter). Otherwise why
+    not ('' when no zygote is named): it is gone, or `env` differs from its environment where it matters; the caller
+    then spawns the process itself."""
+    path = os.environ.get(env_var)
     if not path:
         return ""
     if not _ready(Path(path)):
         return f"no zygote at {path}"
-    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path), "owner": os.getpid()}
+    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path), "owner": os.getpid(),
+               "python": python or sys.executable}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(_REPLY_TIMEOUT_S)
@@ -108,5 +109,5 @@ def pid_file(sock_path: Path) -> Path:
 
 
 def status_dir(sock_path: Path) -> Path:
-    """Where the zygote writes the exit status of each server it reaped (a file named by its pid)."""
+    """Where the zygote writes the exit status of each process it reaped (a file named by its pid)."""
     return sock_path.with_name(sock_path.name + ".exit")
