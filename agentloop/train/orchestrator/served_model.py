@@ -64,7 +64,15 @@ class ServedModel:
 def weights_fingerprint(model_dir: Path) -> str | None:
     """sha256 over the size and three 1 MiB samples (start, middle, end) of each weight file, in name order;
     None without weight files. Fine-tuned weights differ everywhere, so samples tell them apart, and a copy of
-    a 60 GB model is recognised by reading 3 MiB per file."""
+    a 60 GB model is recognised by reading 3 MiB per file. None too when the directory went away while it was read
+    (a resumed run's learner retrains the steps a server may still serve, and replaces their directories)."""
+    try:
+        return _fingerprint(model_dir)
+    except FileNotFoundError:
+        return None
+
+
+def _fingerprint(model_dir: Path) -> str | None:
     files = sorted(f for f in model_dir.iterdir() if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES))
     if not files:
         return None
