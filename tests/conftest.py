@@ -48,6 +48,25 @@ def tiny_model_path() -> Path:
     return ensure_tiny_model()
 
 
+def _session_zygote(start, env_var: str, wanted: bool, tmp_path_factory: pytest.TempPathFactory,
+                    name: str) -> Iterator[Path | None]:
+    """A zygote for the session (`start(sock, log)`), named in os.environ by `env_var` so that every process the tests
+    start inherits it; none when not `wanted` or when the caller named one already."""
+    if not wanted or os.environ.get(env_var) is not None:
+        yield None
+        return
+    base = tmp_path_factory.mktemp(name)
+    sock = base / "zygote.sock"
+    proc = start(sock, base / "zygote.log")
+    os.environ[env_var] = str(sock)
+    try:
+        yield sock
+    finally:
+        os.environ.pop(env_var, None)
+        proc.terminate()  # it kills the processes it forked, then exits
+        proc.wait(timeout=30)  # a hang guard: a zygote that outlives its SIGTERM is a bug, shown at teardown
+
+
 @pytest.fixture(scope="session", autouse=True)
 def sglang_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
     """One zygote for the session's CPU SGLang servers (agentloop.inference.sglang_cpu.zygote): every server a test
@@ -59,44 +78,20 @@ def sglang_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
     wants = any(item.get_closest_marker("sglang") or item.get_closest_marker("slow") or "integration" in item.nodeid
                 for item in request.session.items)
-    if SKIP_SGLANG or not wants or os.environ.get(zygote.ENV) is not None:
-        yield None
-        return
-    base = tmp_path_factory.mktemp("zygote")
-    sock = base / "zygote.sock"
-    proc = zygote.start(sock, base / "zygote.log")
-    os.environ[zygote.ENV] = str(sock)
-    try:
-        yield sock
-    finally:
-        os.environ.pop(zygote.ENV, None)
-        proc.terminate()  # it kills the servers it forked, then exits
-        proc.wait(timeout=30)  # a hang guard: a zygote that outlives its SIGTERM is a bug, shown at teardown
+    yield from _session_zygote(zygote.start, zygote.ENV, wants and not SKIP_SGLANG, tmp_path_factory, "zygote")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def learner_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
     """One zygote for the session's one-rank learners (agentloop.train.trainer.zygote): every `agentloop train` a test
     runs (in this process or in a command it starts: they inherit AGENTLOOP_LEARNER_ZYGOTE) forks its learner from a
-    process that imported torch, transformers and the learner once, instead of importing them again (~8 s of CPU per
-    run on the 2-core box). Learners it cannot serve (torchrun's ranks, another environment) are spawned as without
-    it. Started only when the session runs tests that may train, and not over a zygote the caller named."""
+    process that imported torch, transformers and the learner once, instead of importing them again (~7 s of a
+    learner's start on the 2-core box). Learners it cannot serve (torchrun's ranks, another environment) are spawned
+    as without it. Started only when the session runs tests that may train, and not over a zygote the caller named."""
     from agentloop.train.trainer import zygote
 
     wants = any(item.get_closest_marker("slow") or "integration" in item.nodeid for item in request.session.items)
-    if not wants or os.environ.get(zygote.ZYGOTE_ENV) is not None:
-        yield None
-        return
-    base = tmp_path_factory.mktemp("learner-zygote")
-    sock = base / "zygote.sock"
-    proc = zygote.start(sock, base / "zygote.log")
-    os.environ[zygote.ZYGOTE_ENV] = str(sock)
-    try:
-        yield sock
-    finally:
-        os.environ.pop(zygote.ZYGOTE_ENV, None)
-        proc.terminate()  # it kills the learners it forked, then exits
-        proc.wait(timeout=30)  # a hang guard: a zygote that outlives its SIGTERM is a bug, shown at teardown
+    yield from _session_zygote(zygote.start, zygote.ZYGOTE_ENV, wants, tmp_path_factory, "learner-zygote")
 
 
 @dataclass

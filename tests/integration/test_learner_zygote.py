@@ -23,21 +23,13 @@ from agentloop.train.handle.launch import ZYGOTE_ENV, learner_environment
 from agentloop.train.handle.mailbox import MailboxClient
 from agentloop.train.orchestrator.learner_process import LearnerProcess
 from agentloop.train.trainer import zygote
-from agentloop.util.forked import ForkedProcess
+from agentloop.util.forked import ForkedProcess, _alive
 from tests.unit.train.test_learner import make_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 GUARD_S = 120.0
 """A hang guard for a process to appear or go, not a verdict on the machine's speed."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
 
 
 def _wait_until(cond, what: str) -> None:

@@ -45,9 +45,10 @@ def test_run_and_test_set_up_once_then_only_run(tmp_path):
                          check=True)
     assert out.stdout.strip() == "AGENTLOOP rollout --random-model" and _runs(repo) == 1
     out = subprocess.run(["bash", "scripts/test.sh", "-x"], cwd=repo, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PYTHON -m pytest -x" and _runs(repo) == 1  # set up already: nothing more
+    assert out.stdout.strip() == "PYTHON -m pytest -n 2 --dist loadfile -x" and _runs(repo) == 1  # set up: no more
     out = subprocess.run(["bash", ".ci/run"], cwd=repo, capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["PYTHON -m ruff check .", "PYTHON -m pytest"] and _runs(repo) == 1
+    assert out.stdout.split("\n")[:2] == ["PYTHON -m ruff check .", "PYTHON -m pytest -n 2 --dist loadfile"]
+    assert _runs(repo) == 1
     # a changed pyproject.toml or setup.sh means the setup is stale: it runs again, once
     (repo / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     subprocess.run(["bash", "scripts/test.sh"], cwd=repo, capture_output=True, check=True)
