@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import ctypes
 import importlib.util
 import os
 import signal
@@ -37,13 +36,13 @@ import aiohttp
 
 from agentloop.config import ServerConfig
 from agentloop.errors import ServerStartError
+from agentloop.util.zygote import die_with_parent
 
 if TYPE_CHECKING:
     from agentloop.util.forked import ForkedProcess
 
 __all__ = ["LocalServer", "cpu_server_args", "launch_servers", "pick_free_port", "resolve_device", "stop_servers"]
 
-_PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 30
 
 ZYGOTE_ENV = "AGENTLOOP_SGLANG_ZYGOTE"
@@ -95,15 +94,6 @@ def _put_first_on_pythonpath(env: dict[str, str], *dirs: str) -> None:
     """`dirs` first on env's PYTHONPATH, each once (so an environment built from one built before is the same)."""
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in dirs]
     env["PYTHONPATH"] = os.pathsep.join([*dirs, *rest])
-
-
-def _arm_parent_death_signal() -> None:
-    """preexec_fn: SIGKILL this child when its parent dies (Linux only; best effort)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not glibc Linux: atexit and stop() still apply
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -282,7 +272,7 @@ class LocalServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
-                preexec_fn=_arm_parent_death_signal if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
 
     async def wait_ready(self, poll_interval_s: float = 0.5) -> None:

@@ -28,6 +28,7 @@ import os
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from agentloop.util.forked import pid_file, status_dir
 
-__all__ = ["Program", "main", "serve"]
+__all__ = ["Program", "die_with_parent", "main", "serve", "start"]
 
 _FIXED = ("SGLANG_", "OMP_", "MKL_", "KMP_", "MALLOC_", "LD_", "CUDA_", "NCCL_", "TORCH", "HF_", "TRANSFORMERS_",
           "TOKENIZERS_", "OPENBLAS_", "GLIBC_", "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONUNBUFFERED",
@@ -62,6 +63,15 @@ def _fixed(env: dict[str, str]) -> dict[str, str]:
 
 def _mallopt(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k in _MALLOPT}
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (PR_SET_PDEATHSIG; Linux with glibc, best
+    effort). A preexec_fn for a child that must not outlive what started it, even a SIGKILLed parent."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not glibc Linux: the caller's own stop still applies
 
 
 @dataclass(frozen=True)
@@ -138,10 +148,7 @@ class _Zygote:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.set_wakeup_fd(-1)
             os.setsid()
-            try:
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-            except OSError:
-                pass
+            die_with_parent()
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -311,6 +318,19 @@ def serve(program: Program, sock_path: Path) -> None:
         listener.close()
         sock_path.unlink(missing_ok=True)
         pid_file(sock_path).unlink(missing_ok=True)
+
+
+def start(zygote_module: str, sock_path: Path, log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the zygote `python -m ZYGOTE_MODULE --socket SOCK_PATH` with `env` (what its program's processes are
+    started with), its output appended to `log_path`; it dies with this process. Requesters may ask at once: they
+    wait for its imports (its pid file is written here)."""
+    sock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", zygote_module, "--socket", str(sock_path)], env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
+    pid_file(sock_path).write_text(str(proc.pid))
+    return proc
 
 
 def main(program: Program, *, zygote_module: str, environment: dict[str, str] | None, doc: str | None,

@@ -18,16 +18,18 @@ Map:
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 from agentloop.inference.launcher import ZYGOTE_ENV as ENV
-from agentloop.inference.launcher import LocalServer, _arm_parent_death_signal
-from agentloop.util.forked import ForkedProcess, pid_file
+from agentloop.inference.launcher import LocalServer
+from agentloop.util.forked import ForkedProcess
 from agentloop.util.zygote import Program
 from agentloop.util.zygote import main as _main
+from agentloop.util.zygote import start as _start
 
 __all__ = ["ENV", "SERVER", "ForkedProcess", "server_environment", "start"]
+
+_MODULE = "agentloop.inference.sglang_cpu.zygote"
 
 
 def server_environment() -> dict[str, str]:
@@ -63,20 +65,12 @@ SERVER = Program(module="agentloop.inference.sglang_cpu.launch_server", preload=
 
 def start(sock_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
     """Start a zygote on `sock_path` for the CPU servers this process (and those inheriting its environment) would
-    start; it dies with this process. Requesters may ask at once: they wait for its imports (its pid file is written
-    here)."""
-    sock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, "--socket", str(sock_path)], env=server_environment(),
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_arm_parent_death_signal)
-    pid_file(sock_path).write_text(str(proc.pid))
-    return proc
+    start; it dies with this process (agentloop.util.zygote.start)."""
+    return _start(_MODULE, sock_path, log_path, server_environment())
 
 
 def main(argv: list[str] | None = None) -> None:
-    _main(SERVER, zygote_module=__spec__.name if __spec__ else "agentloop.inference.sglang_cpu.zygote",
-          environment=server_environment(), doc=__doc__, argv=argv)
+    _main(SERVER, zygote_module=_MODULE, environment=server_environment(), doc=__doc__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ on a run dir every host sees (docs/cluster.md, "Beyond one machine").
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import functools
 import json
 import os
 import shlex
@@ -33,21 +33,15 @@ from agentloop.train.handle.protocol import FinalResult, LearnerHandle, LearnerI
 from agentloop.util.forked import ForkedProcess
 from agentloop.util.forked import spawn as forked_spawn
 from agentloop.util.rundir import write_json
+from agentloop.util.zygote import die_with_parent
 
+_die_with_parent = functools.partial(die_with_parent, signal.SIGTERM)
+"""preexec_fn: SIGTERM the learner when the orchestrator dies, even by SIGKILL (Linux; best effort).
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the learner when the orchestrator dies, even by SIGKILL (Linux; best effort).
-
-    The learner runs in a session of its own (a Ctrl-C must not reach it before STOP does), so a
-    kill of the orchestrator's process group would otherwise leave it training, and a resumed run
-    would start a second learner on the same run dir. SIGTERM rather than SIGKILL so that torchrun
-    (nproc > 1) still stops its ranks, which it starts in sessions of their own.
-    """
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
+The learner runs in a session of its own (a Ctrl-C must not reach it before STOP does), so a kill of the
+orchestrator's process group would otherwise leave it training, and a resumed run would start a second learner on the
+same run dir. SIGTERM rather than SIGKILL so that torchrun (nproc > 1) still stops its ranks, which it starts in
+sessions of their own."""
 
 
 class LearnerProcess:

@@ -22,11 +22,13 @@ import sys
 from pathlib import Path
 
 from agentloop.train.handle.launch import ZYGOTE_ENV, learner_environment
-from agentloop.util.forked import pid_file
 from agentloop.util.zygote import Program
 from agentloop.util.zygote import main as _main
+from agentloop.util.zygote import start as _start
 
 __all__ = ["LEARNER", "ZYGOTE_ENV", "start"]
+
+_MODULE = "agentloop.train.trainer.zygote"
 
 
 def _preload() -> None:
@@ -57,27 +59,13 @@ LEARNER = Program(module="agentloop.train.trainer", preload=_preload, run=_run)
 
 def start(sock_path: Path, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start a zygote on `sock_path` for the learners this process (and those inheriting its environment) would
-    start, with `env` (default: `learner_environment` of ours); it dies with this process. Requesters may ask at
-    once: they wait for its imports."""
-    import ctypes
-    import signal
-
-    def die_with_parent() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-    sock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, "--socket", str(sock_path)],
-                                env=learner_environment(os.environ) if env is None else env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
-    pid_file(sock_path).write_text(str(proc.pid))
-    return proc
+    start, with `env` (default: `learner_environment` of ours); it dies with this process
+    (agentloop.util.zygote.start)."""
+    return _start(_MODULE, sock_path, log_path, learner_environment(os.environ) if env is None else env)
 
 
 def main(argv: list[str] | None = None) -> None:
-    _main(LEARNER, zygote_module="agentloop.train.trainer.zygote", environment=learner_environment(os.environ),
-          doc=__doc__, argv=argv)
+    _main(LEARNER, zygote_module=_MODULE, environment=learner_environment(os.environ), doc=__doc__, argv=argv)
 
 
 if __name__ == "__main__":
