@@ -57,8 +57,16 @@ _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_TH
 a process's start): a request's may differ from the zygote's when the zygote has none (LoRA servers set two)."""
 
 
+_READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"})
+"""Under `_FIXED`'s prefixes but read when used, not at start (inductor's cache at its first compile, CUDA's at its
+first kernel, neither of which a zygote reaches): a forked process reads the request's value. torch and SGLang write
+them into the environment of the process that asks (their defaults), so comparing them refused every request of an
+`agentloop train` started by hand."""
+
+
 def _fixed(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_FIXED) and k != "OMP_NUM_THREADS" and k not in _MALLOPT}
+    return {k: v for k, v in env.items() if k.startswith(_FIXED) and k != "OMP_NUM_THREADS" and k not in _MALLOPT
+            and k not in _READ_WHEN_USED}
 
 
 def _mallopt(env: dict[str, str]) -> dict[str, str]:

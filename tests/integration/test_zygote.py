@@ -145,3 +145,5 @@ def test_a_server_whose_environment_differs_is_spawned(own_zygote, tiny_model_pa
     assert _fixed({**base, "SGLANG_X": "1"}) != _fixed(base)
     # read when used, not at start (Ray's workers set it); the allocator's, applied by the forked server itself
     assert _fixed({**base, "PYTHONBREAKPOINT": "x", "MALLOC_ARENA_MAX": "2"}) == _fixed(base)
+    # cache paths torch and SGLang write into the requester's environment, read at first use (a compile, a kernel)
+    assert _fixed({**base, "TORCHINDUCTOR_CACHE_DIR": "/tmp/i", "CUDA_CACHE_PATH": "/tmp/nv"}) == _fixed(base)
